@@ -89,6 +89,8 @@ class Call:
     ``version`` is the weights version that served the call; a call that spanned a
     weight push reports the oldest. ``support[i]``, when present, lists the token ids
     the filtered sampler could have drawn at step ``i`` (top-k / top-p).
+    ``finish_reason`` is ``"stop"`` (a stop token, kept in ``completion``) or
+    ``"length"`` (``max_tokens`` reached), as an engine reports it.
 
     Token sequences may be lists, tuples or 1-D numpy arrays; they are not copied.
     Validation happens when the call is put into a :class:`Rollout`, so the error can
@@ -101,6 +103,7 @@ class Call:
     version: int
     temperature: float = 1.0
     support: Sequence[Sequence[int]] | None = None
+    finish_reason: str | None = None
 
 
 @dataclass(frozen=True, eq=False)
