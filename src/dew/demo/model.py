@@ -50,8 +50,9 @@ _SIZES = {
 }
 
 
-def make_model(arch: str = "qwen2", size: str = "tiny", *, seed: int = 0,
-               max_positions: int = 1024) -> Any:
+def make_model(
+    arch: str = "qwen2", size: str = "tiny", *, seed: int = 0, max_positions: int = 1024
+) -> Any:
     """A randomly initialized causal LM (``qwen2`` or ``llama``) over the demo vocabulary."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM

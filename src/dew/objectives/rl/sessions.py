@@ -138,7 +138,9 @@ class Rollout:
             raise ValueError(f"{key}: unknown status {self.status!r}; expected a Status member")
         if self.reward is not None:
             if not isinstance(self.reward, (int, float)) or not math.isfinite(self.reward):
-                raise ValueError(f"{key}: reward must be a finite number or None, got {self.reward!r}")
+                raise ValueError(
+                    f"{key}: reward must be a finite number or None, got {self.reward!r}"
+                )
         for name, value in self.components.items():
             if not isinstance(value, (int, float)) or not math.isfinite(value):
                 raise ValueError(f"{key}: reward component {name!r} must be finite, got {value!r}")
@@ -305,13 +307,19 @@ class ThreadedSource:
             return  # cancel() already resolved it
         try:
             if session.stop.is_set():
-                out = Rollout(key=session.key, task=session.task, status=Status.CANCELLED,
-                              error="cancelled")
+                out = Rollout(
+                    key=session.key, task=session.task, status=Status.CANCELLED, error="cancelled"
+                )
             else:
                 out = self.run(session.task, session.key, session.stop)
                 if session.stop.is_set() and out.status is not Status.CANCELLED:
-                    out = Rollout(key=session.key, task=session.task, status=Status.CANCELLED,
-                                  calls=out.calls, error="cancelled")
+                    out = Rollout(
+                        key=session.key,
+                        task=session.task,
+                        status=Status.CANCELLED,
+                        calls=out.calls,
+                        error="cancelled",
+                    )
         except BaseException as exc:  # handed to result(); never swallowed
             session.future.set_exception(exc)
             session._finish()
@@ -383,7 +391,9 @@ def chains(calls: Sequence[Call]) -> list[Chain]:
 
     def flush() -> None:
         if parts:
-            out.append(Chain(*(np.concatenate(x) for x in zip(*parts, strict=True)), tuple(support)))
+            out.append(
+                Chain(*(np.concatenate(x) for x in zip(*parts, strict=True)), tuple(support))
+            )
 
     for call in calls:
         prompt = _as_i64(call.prompt)
@@ -397,12 +407,16 @@ def chains(calls: Sequence[Call]) -> list[Chain]:
             extra = prompt
             current = np.empty(0, dtype=np.int64)
         m = len(completion)
-        parts.append((
-            np.concatenate([extra, completion]),
-            np.concatenate([np.zeros(len(extra), bool), np.ones(m, bool)]),
-            np.concatenate([np.zeros(len(extra)), np.asarray(call.log_probs, dtype=np.float64)]),
-            np.full(len(extra) + m, call.version, dtype=np.int64),
-        ))
+        parts.append(
+            (
+                np.concatenate([extra, completion]),
+                np.concatenate([np.zeros(len(extra), bool), np.ones(m, bool)]),
+                np.concatenate(
+                    [np.zeros(len(extra)), np.asarray(call.log_probs, dtype=np.float64)]
+                ),
+                np.full(len(extra) + m, call.version, dtype=np.int64),
+            )
+        )
         if call.support is not None:
             support.extend(call.support)
         current = np.concatenate([current, extra, completion])
@@ -510,8 +524,11 @@ def session_metrics(
     for name in names:
         vals = [r.components[name] for r in rollouts if name in r.components]
         out[f"reward/{name}"] = float(np.mean(vals))
-    lat = [r.finished - r.submitted for r in rollouts
-           if r.finished is not None and r.submitted is not None]
+    lat = [
+        r.finished - r.submitted
+        for r in rollouts
+        if r.finished is not None and r.submitted is not None
+    ]
     _percentiles(lat, "latency", out)
     out["completion_tokens_mean"] = float(np.mean([r.completion_tokens for r in rollouts]))
     if batch is not None:

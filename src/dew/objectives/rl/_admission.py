@@ -1,0 +1,466 @@
+"""The scheduler's bookkeeping as a plain state machine: no threads, no clock, no I/O.
+
+The driver (``scheduler.py``) feeds it events — a batch registered, a trainer call,
+a weight push, a session finished, the clock passing a deadline, a reopened stream —
+and carries out the :class:`Start` and :class:`Cancel` actions it returns. Time is
+always passed in, so tests can drive every rule exactly.
+
+Vocabulary: a *batch* is one registered task batch; each task becomes a *group* of
+``groups + oversample`` *samples*; each run of a sample is an *attempt*, labelled by
+a :class:`RolloutKey`. A group is *complete* once ``groups`` of its samples are
+admitted; it is *abandoned* once it can no longer get there; it is *dropped* when
+``admit`` other groups of its batch completed first.
+
+Invariants (checked by the hypothesis state-machine test):
+
+* every key handed out in a ``Start`` ends exactly once: consumed (packed or cut),
+  failed (infra error, cancelled by the source, timeout, unscored; resubmitted while
+  attempts remain), resubmitted as stale, cancelled (surplus, stale, abandoned,
+  dropped, reopened, closed) or discarded (finished, but its group was abandoned or
+  dropped, or the stream reopened);
+* only the current attempt of a running sample can finish; anything else — a
+  superseded attempt, a result after a cancel — is ignored, so nothing is admitted
+  twice;
+* a sample never fails more than ``max_attempts`` times; a group keeps
+  ``min(needed + oversample, startable)`` samples running until it resolves;
+* a group is handed to the trainer at most once, and never when abandoned or dropped.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any
+
+from dew.objectives.rl.sessions import (
+    Rollout,
+    RolloutKey,
+    Status,
+    Task,
+    Truncation,
+    truncation_policy,
+)
+
+__all__ = ["Admission", "Cancel", "Consumed", "Start"]
+
+
+@dataclass(frozen=True)
+class Start:
+    task: Task
+    key: RolloutKey
+
+
+@dataclass(frozen=True)
+class Cancel:
+    key: RolloutKey
+
+
+Action = Start | Cancel
+
+
+class _S(Enum):
+    IDLE = 0  # waiting to be (re)started
+    RUNNING = 1
+    ADMITTED = 2
+    EXHAUSTED = 3  # out of attempts
+    SURPLUS = 4  # cancelled because the group completed; may be revived
+
+
+class _G(Enum):
+    RUNNING = 0
+    COMPLETE = 1
+    ABANDONED = 2
+    DROPPED = 3
+
+
+@dataclass(eq=False)
+class _Sample:
+    index: int
+    attempt: int = -1  # no attempt yet
+    failures: int = 0
+    state: _S = _S.IDLE
+    cause: str | None = None  # why the next start is a resubmission
+    version: int = 0  # served version at the current attempt's submission
+    submitted: float = 0.0
+    rollout: Rollout | None = None
+
+
+@dataclass(eq=False)
+class _Group:
+    gid: int
+    task: Task
+    batch: _Batch
+    samples: list[_Sample]
+    admitted: list[int] = field(default_factory=list)  # sample indices, finish order
+    state: _G = _G.RUNNING
+    order: int = -1  # completion order, for packing in admission order
+
+
+@dataclass(eq=False)
+class _Batch:
+    seq: int
+    tasks: Sequence[Task]
+    handle: Any
+    groups: list[_Group] = field(default_factory=list)
+    submitted: bool = False
+
+
+@dataclass
+class Consumed:
+    """What a trainer call takes: complete groups in admission order, and the rest."""
+
+    groups: list[list[Rollout]]
+    abandoned: list[Task]
+    dropped: list[Task]
+
+
+class Admission:
+    """Groups, samples, attempts, staleness and admission for one scheduler.
+
+    Every mutating method returns the actions to carry out, in order.
+    """
+
+    def __init__(
+        self,
+        *,
+        groups: int,
+        oversample: int = 0,
+        admit: int | None = None,
+        max_lag: int = 1,
+        ahead: int = 1,
+        max_attempts: int = 3,
+        timeout: float | None = None,
+        truncation: str = "mask",
+    ) -> None:
+        self.groups = groups
+        self.oversample = oversample
+        self.admit = admit
+        self.max_lag = max_lag
+        self.ahead = ahead
+        self.max_attempts = max_attempts
+        self.timeout = timeout
+        self._truncate = truncation_policy(truncation)
+        self.served: int | None = None  # version the engines serve
+        self._batches: list[_Batch] = []  # registered, oldest first
+        self._seq = itertools.count()
+        self._gid = itertools.count()
+        self._order = itertools.count()
+        self._running: dict[RolloutKey, tuple[_Group, _Sample]] = {}
+        self._deadlines: list[tuple[float, RolloutKey]] = []
+        self.closed = False
+        self.reset_counts()
+        # Per-key ledger of how each started attempt ended; kept for audits and tests.
+        self.audit: dict[RolloutKey, str] | None = None
+
+    # ------------------------------------------------------------------ counters
+
+    def reset_counts(self) -> None:
+        """Start a new record window (one per trainer call)."""
+        self.resubmitted: Counter[str] = Counter()
+        self.cancelled = 0
+        self.abandoned = 0
+        self.dropped_rollouts: list[tuple[str, Rollout]] = []  # (why, rollout) for length bias
+
+    def _end(self, key: RolloutKey, how: str) -> None:
+        if self.audit is not None:
+            if key in self.audit:
+                raise AssertionError(f"{key} ended twice: {self.audit[key]!r} then {how!r}")
+            self.audit[key] = how
+
+    # ------------------------------------------------------------------ batches
+
+    @property
+    def registered(self) -> int:
+        return len(self._batches)
+
+    def register(self, tasks: Sequence[Task], handle: Any = None) -> int:
+        """A batch was read from the stream. Returns its sequence number."""
+        self._check_open()
+        b = _Batch(next(self._seq), list(tasks), handle)
+        self._batches.append(b)
+        return b.seq
+
+    def oldest(self) -> Any:
+        return self._batches[0].handle if self._batches else None
+
+    def _submit(self, b: _Batch, now: float) -> list[Action]:
+        b.submitted = True
+        actions: list[Action] = []
+        n = self.groups + self.oversample
+        for task in b.tasks:
+            g = _Group(next(self._gid), task, b, [_Sample(i) for i in range(n)])
+            b.groups.append(g)
+            self._top_up(g, now, actions)
+        return actions
+
+    def call(self, updates: int, now: float) -> list[Action]:
+        """The trainer hands over the oldest registered batch at ``updates``.
+
+        Sweeps staleness across everything live, then submits the handed batch (if it
+        was not yet) and the next ``ahead`` registered batches.
+        """
+        self._check_open()
+        if not self._batches:
+            raise RuntimeError("no registered batch: read the batch from scheduler.tasks(dataset)")
+        actions = self._sweep_stale(updates, now, self._batches)
+        for b in self._batches[: self.ahead + 1]:
+            if not b.submitted:
+                actions += self._submit(b, now)
+        return actions
+
+    def pushed(self, version: int) -> None:
+        self.served = version
+
+    # ------------------------------------------------------------------ samples
+
+    def _start(self, g: _Group, s: _Sample, now: float, actions: list[Action]) -> None:
+        if s.attempt >= 0 and s.cause is not None:
+            self.resubmitted[s.cause] += 1
+        s.attempt += 1
+        s.cause = None
+        s.state = _S.RUNNING
+        s.version = self.served if self.served is not None else 0
+        s.submitted = now
+        key = RolloutKey(g.gid, s.index, s.attempt)
+        self._running[key] = (g, s)
+        if self.timeout is not None:
+            heapq.heappush(self._deadlines, (now + self.timeout, key))
+        actions.append(Start(g.task, key))
+
+    def _stop(self, g: _Group, s: _Sample, how: str, actions: list[Action]) -> None:
+        """Cancel a running sample's current attempt."""
+        key = RolloutKey(g.gid, s.index, s.attempt)
+        del self._running[key]
+        self._end(key, how)
+        actions.append(Cancel(key))
+
+    def _top_up(self, g: _Group, now: float, actions: list[Action]) -> None:
+        if g.state is not _G.RUNNING:
+            return
+        needed = self.groups - len(g.admitted)
+        running = sum(s.state is _S.RUNNING for s in g.samples)
+        want = needed + self.oversample
+        for s in g.samples:
+            if running >= want:
+                break
+            if s.state in (_S.IDLE, _S.SURPLUS):
+                self._start(g, s, now, actions)
+                running += 1
+
+    def _alive(self, g: _Group) -> int:
+        return sum(s.state is not _S.EXHAUSTED for s in g.samples)
+
+    def _fail(self, g: _Group, s: _Sample, cause: str, now: float, actions: list[Action]) -> None:
+        """A failed attempt: counts toward max_attempts; resubmit or give up."""
+        s.failures += 1
+        s.rollout = None
+        if s.failures >= self.max_attempts:
+            s.state = _S.EXHAUSTED
+            if self._alive(g) < self.groups:
+                self._abandon(g, actions)
+                return
+        else:
+            s.state = _S.IDLE
+            s.cause = cause
+        self._top_up(g, now, actions)
+
+    def _abandon(self, g: _Group, actions: list[Action]) -> None:
+        g.state = _G.ABANDONED
+        self.abandoned += 1
+        self._release(g, "abandoned", actions)
+
+    def _release(self, g: _Group, how: str, actions: list[Action]) -> None:
+        for s in g.samples:
+            if s.state is _S.RUNNING:
+                self._stop(g, s, how, actions)
+                self.cancelled += 1
+                s.state = _S.SURPLUS
+            elif s.state is _S.ADMITTED and s.rollout is not None:
+                self._end(s.rollout.key, "discarded")
+                s.rollout = None
+                s.state = _S.SURPLUS
+
+    def _complete(self, g: _Group, actions: list[Action]) -> None:
+        g.state = _G.COMPLETE
+        g.order = next(self._order)
+        for s in g.samples:
+            if s.state is _S.RUNNING:
+                self._stop(g, s, "surplus", actions)
+                self.cancelled += 1
+                s.state = _S.SURPLUS
+        b = g.batch
+        if self.admit is not None:
+            done = sum(x.state is _G.COMPLETE for x in b.groups)
+            if done >= self.admit:
+                for x in b.groups:
+                    if x.state is _G.RUNNING:
+                        x.state = _G.DROPPED
+                        self._release(x, "dropped", actions)
+
+    # ------------------------------------------------------------------ events
+
+    def finished(self, key: RolloutKey, rollout: Rollout, now: float) -> list[Action]:
+        """A session resolved. Stale attempts and post-cancel results are ignored."""
+        entry = self._running.get(key)
+        if entry is None:
+            return []
+        if rollout.key != key:
+            raise ValueError(f"{key}: the source returned a rollout labelled {rollout.key}")
+        for i, c in enumerate(rollout.calls):
+            if self.served is not None and c.version > self.served:
+                raise ValueError(
+                    f"{key}: calls[{i}].version={c.version} is from the future "
+                    f"(the engines serve version {self.served})"
+                )
+        status = rollout.status
+        if status in (Status.COMPLETED, Status.AGENT_ERROR) and rollout.reward is None:
+            raise ValueError(f"{key}: status {status.name} needs a reward from the verifier")
+        del self._running[key]
+        g, s = entry
+        actions: list[Action] = []
+        cause: str | None = None
+        if status is Status.TRUNCATED:
+            verdict: Truncation = self._truncate(rollout)
+            cause = verdict.resubmit
+        elif status is Status.INFRA_ERROR:
+            cause = "infra_error"
+        elif status is Status.CANCELLED:
+            cause = "cancelled"
+        if cause is not None:
+            self._end(key, f"failed:{cause}")
+            self._fail(g, s, cause, now, actions)
+            return actions
+        s.state = _S.ADMITTED
+        s.rollout = rollout
+        g.admitted.append(s.index)
+        if len(g.admitted) >= self.groups:
+            self._complete(g, actions)
+        return actions
+
+    def next_deadline(self) -> float | None:
+        while self._deadlines and self._deadlines[0][1] not in self._running:
+            heapq.heappop(self._deadlines)
+        return self._deadlines[0][0] if self._deadlines else None
+
+    def expire(self, now: float) -> list[Action]:
+        """Cancel and resubmit, as failed attempts, every rollout past its deadline."""
+        actions: list[Action] = []
+        while self._deadlines and self._deadlines[0][0] <= now:
+            _, key = heapq.heappop(self._deadlines)
+            entry = self._running.get(key)
+            if entry is None:
+                continue
+            g, s = entry
+            self._stop(g, s, "failed:timeout", actions)
+            self._fail(g, s, "timeout", now, actions)
+        return actions
+
+    def _sweep_stale(self, updates: int, now: float, batches: Sequence[_Batch]) -> list[Action]:
+        actions: list[Action] = []
+        for b in batches:
+            for g in b.groups:
+                if g.state not in (_G.RUNNING, _G.COMPLETE):
+                    continue
+                touched = False
+                for s in g.samples:
+                    if s.state is _S.RUNNING and updates - s.version > self.max_lag:
+                        self._stop(g, s, "cancelled:stale", actions)
+                        self.cancelled += 1
+                        s.state, s.cause = _S.IDLE, "stale"
+                        touched = True
+                    elif s.state is _S.ADMITTED and s.rollout is not None:
+                        oldest = s.rollout.oldest_version
+                        if oldest is not None and updates - oldest > self.max_lag:
+                            self._end(s.rollout.key, "resubmitted:stale")
+                            self.dropped_rollouts.append(("stale", s.rollout))
+                            g.admitted.remove(s.index)
+                            s.state, s.cause, s.rollout = _S.IDLE, "stale", None
+                            touched = True
+                if touched:
+                    if g.state is _G.COMPLETE and len(g.admitted) < self.groups:
+                        g.state = _G.RUNNING
+                    self._top_up(g, now, actions)
+        return actions
+
+    # ------------------------------------------------------------------ consumption
+
+    def ready(self) -> bool:
+        """Whether the oldest batch can be consumed."""
+        b = self._batches[0]
+        if not b.submitted:
+            return False
+        states = [g.state for g in b.groups]
+        if self.admit is not None and states.count(_G.COMPLETE) >= self.admit:
+            return True
+        return _G.RUNNING not in states
+
+    def consume(self, updates: int, now: float) -> tuple[Consumed | None, list[Action]]:
+        """Take the oldest batch if it is ready and fresh at ``updates``.
+
+        Complete groups are re-checked for staleness first; a stale member is
+        discarded and resubmitted, and the batch is not ready after all.
+        """
+        if not self.ready():
+            return None, []
+        b = self._batches[0]
+        actions = self._sweep_stale(updates, now, [b])
+        if actions or not self.ready():
+            return None, actions
+        self._batches.pop(0)
+        complete = sorted((g for g in b.groups if g.state is _G.COMPLETE), key=lambda g: g.order)
+        out = Consumed(groups=[], abandoned=[], dropped=[])
+        for g in b.groups:
+            if g.state is _G.ABANDONED:
+                out.abandoned.append(g.task)
+            elif g.state is _G.DROPPED:
+                out.dropped.append(g.task)
+        for g in complete:
+            members = [g.samples[i].rollout for i in g.admitted[: self.groups]]
+            out.groups.append([r for r in members if r is not None])
+            for r in out.groups[-1]:
+                self._end(r.key, "consumed")
+        return out, actions
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def reopen(self) -> list[Action]:
+        """A new stream: cancel everything in flight and forget every registered batch."""
+        actions = self._cancel_all("reopened")
+        self._batches.clear()
+        self.served = None  # engines may serve anything after a resume
+        return actions
+
+    def close(self) -> list[Action]:
+        actions = self._cancel_all("closed")
+        self._batches.clear()
+        self.closed = True
+        return actions
+
+    def _cancel_all(self, how: str) -> list[Action]:
+        actions: list[Action] = []
+        for b in self._batches:
+            for g in b.groups:
+                for s in g.samples:
+                    if s.state is _S.RUNNING:
+                        self._stop(g, s, how, actions)
+                        self.cancelled += 1
+                        s.state = _S.SURPLUS
+                    elif s.state is _S.ADMITTED and s.rollout is not None:
+                        self._end(s.rollout.key, "discarded")
+                        s.rollout = None
+                        s.state = _S.SURPLUS
+                g.state = _G.DROPPED
+        self._deadlines.clear()
+        return actions
+
+    def _check_open(self) -> None:
+        if self.closed:
+            raise RuntimeError("the scheduler is closed")
+
+    @property
+    def in_flight(self) -> int:
+        return len(self._running)

@@ -1,0 +1,250 @@
+"""Scoring packed rows with a Hugging Face causal LM.
+
+A packed row holds several chains back to back (see ``pack``). Scoring it in one
+forward pass is only equivalent to scoring each chain alone when
+
+* attention stays inside a chain: a query attends to keys of its own segment at or
+  before itself (a block-diagonal causal mask built from ``segments``);
+* rotary positions restart with each chain (``position_ids`` come from ``positions``).
+
+Padding (segment 0) attends to itself only. A padding query with no allowed key
+would make SDPA's softmax divide zero by zero and produce NaN, which then poisons
+gradients even where the result is masked out; the diagonal keeps it finite.
+
+The mask is handed to the model already in 4-D form, which transformers passes to the
+attention kernel unchanged. The two kernels that accept an explicit dense mask want
+different encodings (SDPA: boolean, True = attend; eager: additive float, added to
+the scores), so the encoding is picked from a registry keyed by the model's
+``config._attn_implementation``. Flash/flex kernels take no dense mask and are
+refused with a clear error rather than silently attending across chains.
+
+Log-probabilities follow the packed-batch convention: entry ``t`` is the log-prob of
+``tokens[t]`` given the chain's earlier tokens, so it is read from the logits at
+``t - 1``. Chain starts and padding get 0. With a ``support`` set at ``t`` the
+softmax is renormalized over that set (the filtered distribution the sampler drew
+from); without one it runs over the whole vocabulary.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+
+import numpy as np
+import torch
+
+__all__ = [
+    "ATTENTION_MASKS",
+    "additive_mask",
+    "boolean_mask",
+    "chain_attention",
+    "chain_continues",
+    "packed_forward_log_probs",
+    "support_log_normalizer",
+    "token_log_probs",
+]
+
+_REQUIRED = ("tokens", "positions", "segments")
+
+
+def chain_attention(segments: torch.Tensor) -> torch.Tensor:
+    """Which key each query may attend to: same chain and not in the future.
+
+    ``segments`` [rows, width] int (0 = padding) -> [rows, 1, width, width] bool.
+    Padding attends to itself alone (never an all-False row).
+    """
+    width = segments.shape[-1]
+    idx = torch.arange(width, device=segments.device)
+    causal = idx[None, :] <= idx[:, None]  # [width(q), width(k)]
+    same = segments[:, :, None] == segments[:, None, :]  # [rows, q, k]
+    real = (segments > 0)[:, :, None]  # [rows, q, 1]
+    diagonal = torch.eye(width, dtype=torch.bool, device=segments.device)  # [q, k]
+    allowed = (same & real & causal) | diagonal  # [rows, q, k]
+    return allowed[:, None]  # [rows, 1, q, k]
+
+
+def boolean_mask(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """SDPA encoding: the boolean mask itself (True = attend)."""
+    del dtype
+    return allowed
+
+
+def additive_mask(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Eager encoding: 0 where allowed, the dtype's most negative value elsewhere."""
+    zero = torch.zeros((), dtype=dtype, device=allowed.device)
+    return torch.where(allowed, zero, torch.finfo(dtype).min)
+
+
+# attention implementation -> how a [rows, 1, q, k] boolean mask is encoded for it
+ATTENTION_MASKS: dict[str, Callable[[torch.Tensor, torch.dtype], torch.Tensor]] = {
+    "sdpa": boolean_mask,
+    "eager": additive_mask,
+}
+
+
+def chain_continues(segments: torch.Tensor) -> torch.Tensor:
+    """Positions whose token has a predecessor in its chain (the ones that get a log-prob).
+
+    [rows, width] int -> [rows, width] bool; False at column 0, chain starts and padding.
+    """
+    cont = torch.zeros_like(segments, dtype=torch.bool)  # [rows, width]
+    cont[:, 1:] = (segments[:, 1:] > 0) & (segments[:, 1:] == segments[:, :-1])
+    return cont
+
+
+def support_log_normalizer(
+    logits: torch.Tensor,
+    support: torch.Tensor,
+    offsets: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """logsumexp of each token's predicting logits over its support set.
+
+    ``logits`` [rows, width, vocab]: row ``t`` already holds the logits that predict
+    token ``t`` (shifted by the caller). ``support`` [rows, capacity] token ids (-1 =
+    unused); ``offsets`` [rows, width + 1]: token ``t``'s ids are
+    ``support[r, offsets[r, t]:offsets[r, t + 1]]``.
+    Returns (normalizer [rows, width] float, has_support [rows, width] bool); the
+    normalizer is 0 where a token has no support entry.
+    """
+    rows, width, vocab = logits.shape
+    capacity = support.shape[1]
+    device = logits.device
+    slot = torch.arange(capacity, device=device).expand(rows, capacity)  # [rows, capacity]
+    # owner[r, k] = t with offsets[r, t] <= k < offsets[r, t + 1]
+    owner = torch.searchsorted(offsets.contiguous(), slot.contiguous(), right=True) - 1
+    used = (slot < offsets[:, -1:]) & (support >= 0) & (owner >= 0) & (owner < width)
+    row = torch.arange(rows, device=device)[:, None].expand(rows, capacity)  # [rows, capacity]
+    group = (row * width + owner.clamp(0, width - 1))[used]  # [n] flat (row, token) index
+    ids = support[used]  # [n]
+    if ids.numel() and (int(ids.max()) >= vocab):
+        raise ValueError(
+            f"support holds token id {int(ids.max())} outside the vocabulary ({vocab})"
+        )
+    values = logits.reshape(rows * width, vocab)[group, ids]  # [n]
+    # max per group, for a stable logsumexp; constant w.r.t. the gradient
+    peak = torch.full((rows * width,), -torch.inf, dtype=values.dtype, device=device)
+    peak = peak.scatter_reduce(0, group, values.detach(), reduce="amax", include_self=True)
+    has = torch.isfinite(peak)  # [rows * width]
+    peak = torch.where(has, peak, torch.zeros_like(peak))
+    total = torch.zeros(rows * width, dtype=values.dtype, device=device)
+    total = total.index_add(0, group, torch.exp(values - peak[group]))  # [rows * width]
+    safe = torch.where(has, total, torch.ones_like(total))
+    normalizer = torch.where(has, torch.log(safe) + peak, torch.zeros_like(peak))
+    return normalizer.view(rows, width), has.view(rows, width)
+
+
+def token_log_probs(
+    logits: torch.Tensor,
+    tokens: torch.Tensor,
+    segments: torch.Tensor,
+    *,
+    temperature: float = 1.0,
+    support: torch.Tensor | None = None,
+    support_offsets: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Log-prob of each packed token under the model's logits.
+
+    ``logits`` [rows, width, vocab] (position ``t`` predicts ``t + 1``), ``tokens`` and
+    ``segments`` [rows, width]. Returns [rows, width] float32: ``log p(tokens[t] |
+    chain before t)`` at ``temperature``, renormalized over the support where given;
+    0 at chain starts and padding.
+    """
+    rows, width, _ = logits.shape
+    out = torch.zeros(rows, width, dtype=torch.float32, device=logits.device)
+    if width < 2:
+        return out
+    pred = logits[:, :-1].float()  # [rows, width - 1, vocab]: predicts tokens[:, 1:]
+    if temperature != 1.0:
+        pred = pred / temperature
+    target = tokens[:, 1:]  # [rows, width - 1]
+    picked = pred.gather(-1, target.unsqueeze(-1)).squeeze(-1)  # [rows, width - 1]
+    normalizer = torch.logsumexp(pred, dim=-1)  # [rows, width - 1]
+    if support is not None:
+        if support_offsets is None:
+            raise ValueError("support given without support_offsets")
+        # column j of the shifted logits predicts token j + 1, whose support starts at
+        # offsets[j + 1]; entries of token 0 (no predecessor) fall before column 0 and drop
+        sub, has = support_log_normalizer(pred, support, support_offsets[:, 1:])
+        normalizer = torch.where(has, sub, normalizer)
+    cont = chain_continues(segments)[:, 1:]  # [rows, width - 1]
+    out[:, 1:] = torch.where(cont, picked - normalizer, torch.zeros_like(picked))
+    return out
+
+
+def _as_tensor(
+    value: np.ndarray | torch.Tensor, device: torch.device, dtype: torch.dtype
+) -> torch.Tensor:
+    if isinstance(value, torch.Tensor):
+        return value.to(device=device, dtype=dtype)
+    return torch.from_numpy(np.ascontiguousarray(value)).to(device=device, dtype=dtype)
+
+
+def _check_shapes(batch: Mapping[str, np.ndarray | torch.Tensor]) -> tuple[int, int]:
+    for key in _REQUIRED:
+        if key not in batch:
+            raise ValueError(f"batch is missing {key!r}; packed_log_probs needs {list(_REQUIRED)}")
+    shape = tuple(batch["tokens"].shape)
+    if len(shape) != 2:
+        raise ValueError(f"batch['tokens'] must be [rows, width], got shape {shape}")
+    rows, width = shape
+    for key in _REQUIRED[1:]:
+        if tuple(batch[key].shape) != shape:
+            raise ValueError(
+                f"batch[{key!r}] has shape {tuple(batch[key].shape)}, expected {shape}"
+            )
+    if "support" in batch:
+        if "support_offsets" not in batch:
+            raise ValueError("batch has 'support' but no 'support_offsets'")
+        sup = tuple(batch["support"].shape)
+        if len(sup) != 2 or sup[0] != rows:
+            raise ValueError(f"batch['support'] must be [rows={rows}, capacity], got shape {sup}")
+        off = tuple(batch["support_offsets"].shape)
+        if off != (rows, width + 1):
+            raise ValueError(
+                f"batch['support_offsets'] has shape {off}, expected (rows, width + 1) = "
+                f"{(rows, width + 1)}"
+            )
+    return rows, width
+
+
+def packed_forward_log_probs(
+    model: torch.nn.Module,
+    batch: Mapping[str, np.ndarray | torch.Tensor],
+    *,
+    temperature: float = 1.0,
+) -> torch.Tensor:
+    """One forward of ``model`` over the packed rows -> [rows, width] float32 log-probs."""
+    _check_shapes(batch)
+    param = next(model.parameters())
+    device = param.device
+    config = getattr(model, "config", None)
+    impl = getattr(config, "_attn_implementation", None)
+    encode = ATTENTION_MASKS.get(str(impl))
+    if encode is None:
+        raise ValueError(
+            f"model attn_implementation={impl!r} cannot take a packed block-diagonal mask; "
+            f"use one of {sorted(ATTENTION_MASKS)}"
+        )
+    tokens = _as_tensor(batch["tokens"], device, torch.long)  # [rows, width]
+    positions = _as_tensor(batch["positions"], device, torch.long)  # [rows, width]
+    segments = _as_tensor(batch["segments"], device, torch.long)  # [rows, width]
+    real = segments > 0
+    # padding may carry any id/position; make them harmless for the embedding and rotary
+    tokens_in = torch.where(real, tokens, torch.zeros_like(tokens))
+    positions_in = torch.where(real, positions, torch.zeros_like(positions))
+    dtype = getattr(model, "dtype", param.dtype)
+    mask = encode(chain_attention(segments), dtype)  # [rows, 1, width, width]
+    logits = model(
+        input_ids=tokens_in, attention_mask=mask, position_ids=positions_in, use_cache=False
+    ).logits  # [rows, width, vocab]
+    support = offsets = None
+    if "support" in batch:
+        support = _as_tensor(batch["support"], device, torch.long)  # [rows, capacity]
+        offsets = _as_tensor(batch["support_offsets"], device, torch.long)  # [rows, width + 1]
+    return token_log_probs(
+        logits,
+        tokens_in,
+        segments,
+        temperature=temperature,
+        support=support,
+        support_offsets=offsets,
+    )

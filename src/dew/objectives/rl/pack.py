@@ -1,0 +1,401 @@
+"""Packing: admitted rollout groups -> fixed-shape ``[rows, width]`` training arrays.
+
+Each rollout is split into chains (:func:`dew.objectives.rl.sessions.chains`); every
+chain becomes one segment of one row, with positions counting from 0, so the model can
+attend within a chain and never across. Groups are placed in the order given, by first
+fit: each chain of a group takes the first row with room for it, and a group either goes
+in whole or not at all (a partial group would leave its baseline without members). A
+group that does not fit is *cut* and reported; the groups after it still get their try,
+so one long group does not starve a batch.
+
+Decisions the design leaves open, made here:
+
+* Advantages are per rollout, from the group's *trained* members only: a masked
+  truncation is packed (its completion tokens count in ``completion_mask``) but carries
+  no loss and stays out of the baseline. ``group_std`` divides by the population standard
+  deviation (``ddof=0``) so a group with one trained member gets advantage 0, not NaN.
+* ``behavior_log_probs`` holds the sampled log-prob on every completion token, trained
+  or not, so metrics can still compare engines on masked rollouts; ``advantages`` is 0
+  wherever ``loss_mask`` is.
+* ``rollout_index`` indexes the flattened ``groups`` argument (group by group, member by
+  member), cut groups included, so it does not shift when a group is cut.
+* Support sets are stored only for trained tokens (the only ones the loss renormalizes),
+  so masked rollouts cost no support capacity. Every call of a rollout carries support or
+  none does; a rollout mixing both is refused rather than misaligned.
+
+All per-token work is numpy: Python runs once per group, rollout and chain, and the
+final arrays are written with one scatter per field.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from types import MappingProxyType
+
+import numpy as np
+
+from dew.objectives.rl.sessions import (
+    Chain,
+    Rollout,
+    Status,
+    Truncation,
+    chains,
+    truncation_policy,
+)
+
+__all__ = ["ESTIMATORS", "PackStats", "advantage_estimator", "pack"]
+
+_STD_EPS = 1e-6
+_NO_IDS = np.zeros(0, dtype=np.int64)
+
+
+# --------------------------------------------------------------------------- estimators
+
+
+def _group(rewards: np.ndarray, trained: np.ndarray) -> np.ndarray:
+    # rewards, trained: [n] -> [n]
+    k = int(trained.sum())
+    if k == 0:
+        return np.zeros(len(rewards))
+    mean = rewards[trained].mean()
+    return np.where(trained, rewards - mean, 0.0)
+
+
+def _group_std(rewards: np.ndarray, trained: np.ndarray) -> np.ndarray:
+    # rewards, trained: [n] -> [n]
+    if not trained.any():
+        return np.zeros(len(rewards))
+    std = rewards[trained].std()  # population std: defined for a single member
+    return _group(rewards, trained) / (std + _STD_EPS)
+
+
+def _rloo(rewards: np.ndarray, trained: np.ndarray) -> np.ndarray:
+    # rewards, trained: [n] -> [n]; baseline of member i is the mean of the other trained ones
+    k = int(trained.sum())
+    if k < 2:
+        return np.zeros(len(rewards))
+    total = rewards[trained].sum()
+    return np.where(trained, rewards - (total - rewards) / (k - 1), 0.0)
+
+
+ESTIMATORS: Mapping[str, Callable[[np.ndarray, np.ndarray], np.ndarray]] = MappingProxyType(
+    {"group": _group, "group_std": _group_std, "rloo": _rloo}
+)
+
+
+def advantage_estimator(name: str) -> Callable[[np.ndarray, np.ndarray], np.ndarray]:
+    """The estimator registered under ``name``: ``fn(rewards, trained) -> advantages``."""
+    try:
+        return ESTIMATORS[name]
+    except (KeyError, TypeError):
+        raise ValueError(f"estimator={name!r} is not one of {sorted(ESTIMATORS)}") from None
+
+
+# --------------------------------------------------------------------------- stats
+
+
+@dataclass(frozen=True)
+class PackStats:
+    """What :func:`pack` did with the groups it was given.
+
+    ``packed`` and ``cut`` are indices into ``groups``, in order; ``tokens`` counts
+    non-padding slots, ``trained_tokens`` those with loss; ``padding_share`` is the
+    share of the ``rows * width`` slots left empty.
+    """
+
+    packed: tuple[int, ...]
+    cut: tuple[int, ...]
+    trained_tokens: int
+    tokens: int
+    padding_share: float
+
+    @property
+    def groups_packed(self) -> int:
+        return len(self.packed)
+
+    @property
+    def groups_cut(self) -> int:
+        return len(self.cut)
+
+
+# --------------------------------------------------------------------------- admission
+
+
+def _admit(
+    rollout: Rollout, policy: Callable[[Rollout], Truncation], name: str, cap: int | None
+) -> tuple[bool, float, bool]:
+    """(trained, reward, has_support) of one rollout under the truncation policy ``name``."""
+    flags = [c.support is not None for c in rollout.calls]
+    has_support = any(flags)
+    if has_support and cap is None:
+        raise ValueError(
+            f"{rollout.key}: its calls carry support but support_capacity is None; "
+            "pass support_capacity to pack filtered-sampling rollouts"
+        )
+    if has_support and not all(flags):
+        raise ValueError(
+            f"{rollout.key}: calls[{flags.index(False)}] carries no support while other calls "
+            "do; every call of a rollout must carry support or none may"
+        )
+    status = rollout.status
+    if status is Status.COMPLETED or status is Status.AGENT_ERROR:
+        if rollout.reward is None:
+            raise ValueError(
+                f"{rollout.key}: status {status.name} needs a reward to be packed, got None"
+            )
+        return True, float(rollout.reward), has_support
+    if status is Status.TRUNCATED:
+        verdict = policy(rollout)
+        if verdict.resubmit is not None:
+            raise ValueError(
+                f"{rollout.key}: truncation={name!r} cannot admit this rollout "
+                f"(resubmit: {verdict.resubmit}); it must run again, not be packed"
+            )
+        if not verdict.trained:
+            return False, 0.0, has_support
+        if verdict.reward is None:
+            raise ValueError(f"{rollout.key}: truncation={name!r} trains it but gives no reward")
+        return True, float(verdict.reward), has_support
+    raise ValueError(
+        f"{rollout.key}: status {status.name} is never scored and cannot be packed; "
+        "only COMPLETED, AGENT_ERROR and TRUNCATED rollouts are admitted"
+    )
+
+
+def _rollout_support(rollout: Rollout) -> tuple[np.ndarray, np.ndarray]:
+    """(counts [m], ids [sum(counts)]) over a rollout's m completion tokens, in call order.
+
+    Read from the calls rather than from each chain's row tuple: a 2-D array of top-k
+    ids then costs one reshape per call instead of one row object per token.
+    """
+    counts: list[np.ndarray] = []
+    ids: list[np.ndarray] = []
+    for call in rollout.calls:
+        rows = call.support  # never None here: _admit refused rollouts mixing both
+        if isinstance(rows, np.ndarray) and rows.ndim == 2:
+            counts.append(np.full(rows.shape[0], rows.shape[1], dtype=np.int64))
+            ids.append(rows.reshape(-1).astype(np.int64, copy=False))
+        else:
+            per_row = np.fromiter(map(len, rows), dtype=np.int64, count=len(rows))
+            counts.append(per_row)
+            flat = itertools.chain.from_iterable(rows)
+            ids.append(np.fromiter(flat, dtype=np.int64, count=int(per_row.sum())))
+    return np.concatenate(counts), np.concatenate(ids)
+
+
+# --------------------------------------------------------------------------- pack
+
+
+@dataclass
+class _Placed:
+    """Placed chains, one entry per chain in placement order (within a row: slot order)."""
+
+    chains: list[Chain] = field(default_factory=list)
+    flat: list[int] = field(default_factory=list)  # row * width + first slot
+    segment: list[int] = field(default_factory=list)
+    rollout: list[int] = field(default_factory=list)
+    trained: list[bool] = field(default_factory=list)
+    advantage: list[float] = field(default_factory=list)
+    support_counts: list[np.ndarray] = field(default_factory=list)  # [len(chain)] each
+    support_ids: list[np.ndarray] = field(default_factory=list)
+    support_flat: list[int] = field(default_factory=list)  # row * capacity + first slot
+
+    def extend(self, other: _Placed) -> None:
+        for name in self.__dataclass_fields__:
+            getattr(self, name).extend(getattr(other, name))
+
+
+class _Rows:
+    """Room left in each row; first fit with all-or-nothing placement of a group."""
+
+    def __init__(self, rows: int, width: int, cap: int | None) -> None:
+        self.width = width
+        self.cap = cap
+        self.fill = np.zeros(rows, dtype=np.int64)  # [rows] token slots used
+        self.sfill = np.zeros(rows, dtype=np.int64)  # [rows] support slots used
+        self.nseg = np.zeros(rows, dtype=np.int64)  # [rows] chains placed
+
+    def place_group(
+        self,
+        group: Sequence[Rollout],
+        trained: np.ndarray,
+        supported: np.ndarray,
+        adv: np.ndarray,
+        base: int,
+    ) -> _Placed | None:
+        """Place every chain of ``group`` or, leaving the rows untouched, return None."""
+        saved = (self.fill.copy(), self.sfill.copy(), self.nseg.copy())
+        out = _Placed()
+        cap = self.cap
+        for mi, rollout in enumerate(group):
+            with_support = cap is not None and bool(trained[mi]) and bool(supported[mi])
+            if with_support:
+                # Chains hold the completions in call order, so each chain's support is
+                # the next run of the rollout's per-token counts and ids.
+                all_counts, all_ids = _rollout_support(rollout)
+                id_ends = np.cumsum(all_counts)  # [m]
+                tok_at = id_at = 0
+            for chain in chains(rollout.calls):
+                n = len(chain.tokens)
+                room = (self.width - self.fill) >= n  # [rows]
+                if with_support:
+                    k = int(np.count_nonzero(chain.trained))
+                    counts = np.zeros(n, dtype=np.int64)  # [n]
+                    counts[chain.trained] = all_counts[tok_at : tok_at + k]
+                    id_end = int(id_ends[tok_at + k - 1])
+                    ids = all_ids[id_at:id_end]
+                    tok_at, id_at = tok_at + k, id_end
+                    room &= (cap - self.sfill) >= len(ids)
+                else:
+                    counts, ids = None, _NO_IDS
+                r = int(np.argmax(room))
+                if not room[r]:
+                    self.fill, self.sfill, self.nseg = saved
+                    return None
+                out.chains.append(chain)
+                out.flat.append(r * self.width + int(self.fill[r]))
+                self.fill[r] += n
+                self.nseg[r] += 1
+                out.segment.append(int(self.nseg[r]))
+                out.rollout.append(base + mi)
+                out.trained.append(bool(trained[mi]))
+                out.advantage.append(float(adv[mi]))
+                if cap is not None:
+                    out.support_counts.append(np.zeros(n, np.int64) if counts is None else counts)
+                    out.support_ids.append(ids)
+                    out.support_flat.append(r * cap + int(self.sfill[r]))
+                    self.sfill[r] += len(ids)
+        return out
+
+
+def _check_int(name: str, value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+        raise ValueError(f"{name} must be a positive int, got {value!r}")
+    return int(value)
+
+
+def pack(
+    groups: Sequence[Sequence[Rollout]],
+    *,
+    rows: int,
+    width: int,
+    estimator: str = "group",
+    truncation: str = "mask",
+    support_capacity: int | None = None,
+) -> tuple[dict[str, np.ndarray], PackStats]:
+    """Pack admitted ``groups`` into ``[rows, width]`` arrays and compute advantages.
+
+    Returns the batch (``tokens``, ``positions``, ``segments``, ``loss_mask``,
+    ``completion_mask``, ``advantages``, ``behavior_log_probs``, ``proximal_log_probs``,
+    ``versions``, ``rollout_index``, plus ``support`` and ``support_offsets`` when
+    ``support_capacity`` is given) and its :class:`PackStats`.
+    """
+    rows = _check_int("rows", rows)
+    width = _check_int("width", width)
+    cap = None if support_capacity is None else _check_int("support_capacity", support_capacity)
+    estimate = advantage_estimator(estimator)
+    policy = truncation_policy(truncation)
+
+    space = _Rows(rows, width, cap)
+    placed = _Placed()
+    packed: list[int] = []
+    cut: list[int] = []
+    base = 0  # flat index of the group's first member
+    for gi, group in enumerate(groups):
+        verdicts = [_admit(r, policy, truncation, cap) for r in group]
+        n = len(verdicts)
+        trained = np.fromiter((v[0] for v in verdicts), dtype=bool, count=n)  # [n]
+        rewards = np.fromiter((v[1] for v in verdicts), dtype=np.float64, count=n)  # [n]
+        supported = np.fromiter((v[2] for v in verdicts), dtype=bool, count=n)  # [n]
+        adv = estimate(rewards, trained)  # [n]
+        got = space.place_group(group, trained, supported, adv, base)
+        if got is None:
+            cut.append(gi)
+        else:
+            placed.extend(got)
+            packed.append(gi)
+        base += n
+
+    batch = _assemble(placed, rows, width, cap)
+    tokens = int(space.fill.sum())
+    stats = PackStats(
+        packed=tuple(packed),
+        cut=tuple(cut),
+        trained_tokens=int(batch["loss_mask"].sum()),
+        tokens=tokens,
+        padding_share=(rows * width - tokens) / (rows * width),
+    )
+    return batch, stats
+
+
+def _assemble(placed: _Placed, rows: int, width: int, cap: int | None) -> dict[str, np.ndarray]:
+    """Scatter the placed chains into the batch arrays in one pass per field."""
+    size = rows * width
+    out: dict[str, np.ndarray] = {
+        "tokens": np.zeros(size, dtype=np.int64),
+        "positions": np.zeros(size, dtype=np.int64),
+        "segments": np.zeros(size, dtype=np.int64),
+        "loss_mask": np.zeros(size, dtype=np.float32),
+        "completion_mask": np.zeros(size, dtype=bool),
+        "advantages": np.zeros(size, dtype=np.float32),
+        "behavior_log_probs": np.zeros(size, dtype=np.float32),
+        "proximal_log_probs": np.zeros(size, dtype=np.float32),
+        "versions": np.full(size, -1, dtype=np.int64),
+        "rollout_index": np.full(size, -1, dtype=np.int64),
+    }
+    if placed.chains:
+        ch = placed.chains
+        lengths = np.fromiter((len(c.tokens) for c in ch), dtype=np.int64, count=len(ch))  # [c]
+        starts = np.cumsum(lengths) - lengths  # [c] offset of each chain in the concatenation
+        total = int(lengths.sum())
+        local = np.arange(total, dtype=np.int64) - np.repeat(starts, lengths)  # [T]
+        dest = np.repeat(np.asarray(placed.flat, dtype=np.int64), lengths) + local  # [T]
+        completion = np.concatenate([c.trained for c in ch])  # [T]
+        loss = completion & np.repeat(np.asarray(placed.trained, dtype=bool), lengths)
+        adv = np.repeat(np.asarray(placed.advantage, dtype=np.float64), lengths)
+        out["tokens"][dest] = np.concatenate([c.tokens for c in ch])
+        out["positions"][dest] = local
+        out["segments"][dest] = np.repeat(np.asarray(placed.segment, dtype=np.int64), lengths)
+        out["loss_mask"][dest] = loss
+        out["completion_mask"][dest] = completion
+        out["advantages"][dest] = np.where(loss, adv, 0.0)
+        out["behavior_log_probs"][dest] = np.where(
+            completion, np.concatenate([c.log_probs for c in ch]), 0.0
+        )
+        out["versions"][dest] = np.concatenate([c.versions for c in ch])
+        out["rollout_index"][dest] = np.repeat(np.asarray(placed.rollout, dtype=np.int64), lengths)
+    batch = {k: v.reshape(rows, width) for k, v in out.items()}
+    if cap is not None:
+        batch.update(_assemble_support(placed, rows, width, cap, batch["loss_mask"].size))
+    return batch
+
+
+def _assemble_support(
+    placed: _Placed, rows: int, width: int, cap: int, size: int
+) -> dict[str, np.ndarray]:
+    support = np.full(rows * cap, -1, dtype=np.int64)
+    counts = np.zeros(size, dtype=np.int64)  # [rows * width] support ids per token
+    if placed.chains:
+        lengths = np.fromiter(
+            (len(c) for c in placed.support_counts), dtype=np.int64, count=len(placed.chains)
+        )
+        starts = np.cumsum(lengths) - lengths
+        dest = np.repeat(np.asarray(placed.flat, dtype=np.int64), lengths) + (
+            np.arange(int(lengths.sum()), dtype=np.int64) - np.repeat(starts, lengths)
+        )
+        counts[dest] = np.concatenate(placed.support_counts)
+        nids = np.fromiter(
+            (len(i) for i in placed.support_ids), dtype=np.int64, count=len(placed.chains)
+        )
+        if nids.sum():
+            sstarts = np.cumsum(nids) - nids
+            sdest = np.repeat(np.asarray(placed.support_flat, dtype=np.int64), nids) + (
+                np.arange(int(nids.sum()), dtype=np.int64) - np.repeat(sstarts, nids)
+            )
+            support[sdest] = np.concatenate(placed.support_ids)
+    counts = counts.reshape(rows, width)
+    offsets = np.zeros((rows, width + 1), dtype=np.int64)  # [rows, width + 1]
+    np.cumsum(counts, axis=1, out=offsets[:, 1:])
+    return {"support": support.reshape(rows, cap), "support_offsets": offsets}
