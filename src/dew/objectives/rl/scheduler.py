@@ -167,6 +167,14 @@ class RolloutScheduler:
         self.history: list[SchedulerRecord] = []
         # Task ids of the last call by outcome: trained, abandoned, cut, dropped.
         self.last_tasks: dict[str, list[str]] = {}
+        # Pool hooks, set by dew.pool; a single process leaves them as they are.
+        # agree(failure) meets the other processes before rescoring and raises on every
+        # process when any one failed; share(batch) hands a share's first reader's rows
+        # to its later readers (they pass None); samples=False marks a later reader,
+        # which starts nothing and logs nothing.
+        self.agree: Callable[[BaseException | None], None] | None = None
+        self.share: Callable[[Batch | None], Batch] | None = None
+        self.samples = True
 
         self._admission = Admission(
             groups=groups,
@@ -208,6 +216,8 @@ class RolloutScheduler:
 
     def _on_read(self, batch: Batch) -> None:
         self._check_open()
+        if not self.samples:
+            return  # a share's later reader trains on the first reader's rows
         tasks = list(self.tasks_of(batch))
         self._post("register", tasks, batch)
 
@@ -218,12 +228,39 @@ class RolloutScheduler:
             self.weights.load(variables, updates)
             self._served = updates
             self._post("pushed", updates)
+        if not self.samples:
+            return self._follow(variables)
         t0 = time.monotonic()
         reply = _Reply(batch, updates, Future())
         self._post("call", reply)
-        consumed, counts = reply.future.result()
+        failure: BaseException | None = None
+        try:
+            consumed, counts = reply.future.result()
+        except Exception as exc:
+            failure = exc
+        if self.agree is not None:
+            self.agree(failure)  # on a pool: raises on every process if any one failed
+        if failure is not None:
+            raise failure
         waited = time.monotonic() - t0
         return self._finish_call(variables, updates, consumed, counts, waited)
+
+    def _follow(self, variables: Variables) -> Batch:
+        """A later reader of a share: agree, then train on the first reader's rows."""
+        if self.agree is not None:
+            self.agree(None)
+        if self.share is None:
+            raise RuntimeError("samples=False needs a share hook (see dew.pool)")
+        out = self.share(None)
+        self._rescore(variables, out)
+        return out
+
+    def _rescore(self, variables: Variables, out: Batch) -> None:
+        import torch
+
+        with torch.no_grad():
+            proximal = self.objective.packed_log_probs(variables, out)
+        out["proximal_log_probs"] = proximal.detach().float().cpu().numpy()
 
     def _finish_call(
         self,
@@ -233,8 +270,6 @@ class RolloutScheduler:
         counts: dict[str, Any],
         waited: float,
     ) -> Batch:
-        import torch
-
         out, stats = pack(
             consumed.groups,
             rows=self.rows,
@@ -243,9 +278,9 @@ class RolloutScheduler:
             truncation=self.truncation,
             support_capacity=self.support_capacity,
         )
-        with torch.no_grad():
-            proximal = self.objective.packed_log_probs(variables, out)
-        out["proximal_log_probs"] = proximal.detach().float().cpu().numpy()
+        if self.share is not None:
+            out = self.share(out)  # the share's first reader hands its rows to the others
+        self._rescore(variables, out)
 
         packed = [r for i in stats.packed for r in consumed.groups[i]]
         cut = [r for i in stats.cut for r in consumed.groups[i]]
