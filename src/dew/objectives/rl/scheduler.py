@@ -22,7 +22,7 @@ Concurrency invariants:
 
 from __future__ import annotations
 
-import dataclasses
+import copy
 import threading
 import time
 from collections import deque
@@ -522,7 +522,12 @@ class RolloutScheduler:
 
 
 def _stamp(rollout: Rollout, submitted: float, finished: float) -> Rollout:
-    return dataclasses.replace(rollout, submitted=submitted, finished=finished)
+    # A shallow copy with the scheduler's timestamps. The source's rollout was validated
+    # when it was built; dataclasses.replace would validate every call a second time.
+    out = copy.copy(rollout)
+    object.__setattr__(out, "submitted", submitted)
+    object.__setattr__(out, "finished", finished)
+    return out
 
 
 def _length_bias(

@@ -384,6 +384,8 @@ def chains(calls: Sequence[Call]) -> list[Chain]:
     turn) join the chain untrained. Otherwise it opens a new chain. Comparison is
     token-exact: nothing is re-tokenized.
     """
+    if len(calls) == 1:
+        return [_single_chain(calls[0])]
     out: list[Chain] = []
     parts: list[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]] = []
     support: list[Sequence[int]] = []
@@ -422,6 +424,20 @@ def chains(calls: Sequence[Call]) -> list[Chain]:
         current = np.concatenate([current, extra, completion])
     flush()
     return out
+
+
+def _single_chain(call: Call) -> Chain:
+    # The common single-turn case, without the merge bookkeeping: a few numpy calls.
+    prompt = _as_i64(call.prompt)
+    p = len(prompt)
+    tokens = np.concatenate([prompt, _as_i64(call.completion)])
+    trained = np.zeros(len(tokens), bool)
+    trained[p:] = True
+    log_probs = np.zeros(len(tokens))
+    log_probs[p:] = call.log_probs
+    versions = np.full(len(tokens), call.version, dtype=np.int64)
+    support = tuple(call.support) if call.support is not None else ()
+    return Chain(tokens, trained, log_probs, versions, support)
 
 
 def merge_ratio(rollouts: Sequence[Rollout]) -> float:
