@@ -427,11 +427,11 @@ class RolloutScheduler:
     def _start_call(self, reply: _Reply) -> None:
         adm = self._admission
         if self._failure is not None:
-            reply.future.set_exception(
-                RuntimeError(
-                    "the scheduler stopped after its source failed; reopen the stream to resume"
-                )
+            err = RuntimeError(
+                "the scheduler stopped after its source failed; reopen the stream to resume"
             )
+            err.__cause__ = self._failure
+            reply.future.set_exception(err)
             return
         if self._waiting is not None:
             reply.future.set_exception(RuntimeError("another trainer call is already waiting"))

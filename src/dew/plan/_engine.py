@@ -1,0 +1,155 @@
+"""The engine cost model shared by the planner and the simulated source.
+
+One engine decodes up to ``max_active`` sequences at once; an iteration produces one
+token for every active sequence and takes ``a + b * active`` seconds. Requests wait
+in a FIFO queue for a free slot. Prefill is not modelled: prompts are short next to
+RL completions, and the presets describe completion lengths only.
+
+The model is *fluid*: between two events (an arrival, a cancel, a completion) the
+active set is fixed, so every active sequence advances at ``1 / (a + b * n)`` tokens
+per second. A single progress counter ``P`` (tokens per active sequence since the
+engine started) then orders all completions: a sequence admitted at ``P0`` with
+length ``L`` finishes when ``P`` reaches ``P0 + L``, which a heap finds in
+``O(log n)``. Time only moves forward through :meth:`EngineModel.advance`.
+
+No threads, no clock: the planner jumps from event to event with it, and the
+simulated source advances it to the scaled wall clock under its own lock.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections import deque
+from collections.abc import Hashable
+from dataclasses import dataclass
+
+__all__ = ["EngineConfig", "EngineModel"]
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Iteration time ``a + b * active`` seconds, at most ``max_active`` sequences."""
+
+    a: float = 4.5e-3
+    b: float = 0.04e-3
+    max_active: int = 256
+
+    def __post_init__(self) -> None:
+        if not self.a > 0:
+            raise ValueError(f"a={self.a}: the fixed iteration time must be > 0 seconds")
+        if not self.b >= 0:
+            raise ValueError(f"b={self.b}: the per-sequence iteration time must be >= 0")
+        if self.max_active < 1:
+            raise ValueError(f"max_active={self.max_active}: must be >= 1")
+
+    @property
+    def full_throughput(self) -> float:
+        """Tokens per second with every slot busy."""
+        n = self.max_active
+        return n / (self.a + self.b * n)
+
+
+@dataclass(eq=False)
+class _Seq:
+    key: Hashable
+    length: int
+    start_p: float = 0.0  # progress counter when admitted to a slot
+    version: int | None = None  # served version at its first token
+
+
+class EngineModel:
+    """Fluid model of one continuous-batching engine (see the module docstring)."""
+
+    def __init__(self, config: EngineConfig, now: float = 0.0) -> None:
+        self.config = config
+        self.now = now
+        self.served = 0  # version of the weights being served
+        self.progress = 0.0  # P: tokens generated per active sequence so far
+        self.generated = 0.0  # tokens generated in total
+        self._queue: deque[_Seq] = deque()
+        self._queued: dict[Hashable, _Seq] = {}
+        self._active: dict[Hashable, _Seq] = {}
+        self._heap: list[tuple[float, int, _Seq]] = []  # (finish progress, tiebreak, seq)
+        self._tiebreak = 0
+
+    @property
+    def active(self) -> int:
+        return len(self._active)
+
+    @property
+    def queued(self) -> int:
+        return len(self._queued)
+
+    def _rate(self) -> float:
+        """Tokens per second per active sequence."""
+        n = len(self._active)
+        return 1.0 / (self.config.a + self.config.b * n) if n else 0.0
+
+    def _fill(self) -> None:
+        while self._queue and len(self._active) < self.config.max_active:
+            seq = self._queue.popleft()
+            if self._queued.pop(seq.key, None) is None:
+                continue  # cancelled while queued
+            seq.start_p = self.progress
+            seq.version = self.served
+            self._active[seq.key] = seq
+            self._tiebreak += 1
+            heapq.heappush(self._heap, (seq.start_p + seq.length, self._tiebreak, seq))
+
+    def _top(self) -> tuple[float, int, _Seq] | None:
+        while self._heap and self._active.get(self._heap[0][2].key) is not self._heap[0][2]:
+            heapq.heappop(self._heap)  # cancelled
+        return self._heap[0] if self._heap else None
+
+    def add(self, key: Hashable, length: int) -> None:
+        """Queue a request for ``length`` tokens at the current time."""
+        if length < 1:
+            raise ValueError(f"{key}: length must be >= 1, got {length}")
+        if key in self._queued or key in self._active:
+            raise ValueError(f"{key}: already in the engine")
+        seq = _Seq(key, int(length))
+        self._queue.append(seq)
+        self._queued[key] = seq
+        self._fill()
+
+    def cancel(self, key: Hashable) -> tuple[float, int | None] | None:
+        """Drop a request; ``(tokens it had generated, its version)`` or None if unknown."""
+        if self._queued.pop(key, None) is not None:
+            return 0.0, None
+        seq = self._active.pop(key, None)
+        if seq is None:
+            return None
+        self._fill()
+        return min(self.progress - seq.start_p, seq.length), seq.version
+
+    def next_completion(self) -> float | None:
+        """Time of the next completion if nothing else happens, or None when idle."""
+        top = self._top()
+        if top is None:
+            return None
+        return self.now + (top[0] - self.progress) / self._rate()
+
+    def advance(self, to: float) -> list[tuple[Hashable, float, int]]:
+        """Move time to ``to``; completions on the way as ``(key, time, version)``."""
+        done: list[tuple[Hashable, float, int]] = []
+        while True:
+            top = self._top()
+            rate = self._rate()
+            if top is None:
+                self.now = max(self.now, to)
+                return done
+            finish = self.now + (top[0] - self.progress) / rate
+            if finish > to:
+                self.generated += len(self._active) * (to - self.now) * rate
+                self.progress += (to - self.now) * rate
+                self.now = max(self.now, to)
+                return done
+            heapq.heappop(self._heap)
+            seq = top[2]
+            self.generated += len(self._active) * (top[0] - self.progress)
+            self.progress = top[0]
+            self.now = max(self.now, finish)
+            del self._active[seq.key]
+            assert seq.version is not None
+            done.append((seq.key, self.now, seq.version))
+            self._fill()

@@ -1,0 +1,136 @@
+"""``dew plan``: predict each scheduling policy's throughput before spending accelerators.
+
+Example::
+
+    dew plan --preset dapo --tasks 64 --group 8 --T 0.5x
+    dew plan --preset longcot --tasks 128 --group 16 --T 120 --policies "0;1;2;1,os=4"
+
+``--T`` is seconds, or a multiple of one batch's generation time at full engine
+throughput when it ends in ``x``. ``--policies`` is a ``;``-separated list of
+``ahead[,os=N][,admit=N][,lag=N]`` (oversample and admit may be given as ``N%`` of the
+group and of the tasks).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from collections.abc import Sequence
+
+from dew.plan._engine import EngineConfig
+from dew.plan.planner import Policy, Scenario, generation_time, plan
+from dew.plan.presets import PRESETS, preset
+
+__all__ = ["default_policies", "main", "parse_policy"]
+
+
+def default_policies(tasks: int, group: int) -> list[Policy]:
+    quarter = max(group // 4, 1)
+    return [
+        Policy(0),
+        Policy(1),
+        Policy(2),
+        Policy(1, oversample=quarter),
+        Policy(1, oversample=group),
+        Policy(1, admit=max(tasks * 3 // 4, 1)),
+        Policy(2, oversample=quarter),
+    ]
+
+
+def _count(text: str, of: int, name: str) -> int:
+    try:
+        if text.endswith("%"):
+            return max(round(float(text[:-1]) / 100 * of), 1)
+        return int(text)
+    except ValueError:
+        raise ValueError(f"policy {name}={text!r}: expected an int or a percentage") from None
+
+
+def parse_policy(text: str, tasks: int, group: int) -> Policy:
+    """``ahead[,os=N|N%][,admit=N|N%][,lag=N]`` as a :class:`Policy`."""
+    head, *opts = [p.strip() for p in text.split(",")]
+    try:
+        kw: dict[str, int | None] = {"ahead": int(head)}
+    except ValueError:
+        raise ValueError(f"policy {text!r}: must start with ahead (an int)") from None
+    for opt in opts:
+        key, _, value = opt.partition("=")
+        if key == "os":
+            kw["oversample"] = _count(value, group, "os")
+        elif key == "admit":
+            kw["admit"] = _count(value, tasks, "admit")
+        elif key == "lag":
+            kw["max_lag"] = _count(value, 1, "lag")
+        else:
+            raise ValueError(f"policy {text!r}: unknown option {key!r} (os, admit, lag)")
+    return Policy(**kw)  # type: ignore[arg-type]
+
+
+def _seconds(text: str, gen: float) -> float:
+    try:
+        return float(text[:-1]) * gen if text.endswith("x") else float(text)
+    except ValueError:
+        raise ValueError(f"--T={text!r}: seconds, or a multiple such as 0.5x") from None
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="dew plan", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--preset", default="dapo", choices=sorted(PRESETS))
+    ap.add_argument("--tasks", type=int, default=64, help="tasks per batch")
+    ap.add_argument("--group", type=int, default=8, help="samples per task")
+    ap.add_argument("--T", default="1x", help="trainer seconds per step, or a multiple 'Nx'")
+    ap.add_argument("--policies", default=None, help="';'-separated policies (see above)")
+    ap.add_argument("--steps", type=int, default=12)
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--a", type=float, default=4.5e-3, help="engine seconds per iteration")
+    ap.add_argument("--b", type=float, default=0.04e-3, help="seconds per active sequence")
+    ap.add_argument("--max-active", type=int, default=256)
+    args = ap.parse_args(argv)
+    engine = EngineConfig(args.a, args.b, args.max_active)
+    p = preset(args.preset)
+    gen = generation_time(p, args.tasks, args.group, engine)
+    T = _seconds(args.T, gen)
+    sc = Scenario(
+        p,
+        args.tasks,
+        args.group,
+        T,
+        steps=args.steps,
+        warmup=args.warmup,
+        seed=args.seed,
+        engine=engine,
+    )
+    pols = (
+        [parse_policy(x, args.tasks, args.group) for x in args.policies.split(";") if x.strip()]
+        if args.policies
+        else default_policies(args.tasks, args.group)
+    )
+    print(
+        f"{args.preset}: {args.tasks} tasks x {args.group}, T = {T:.1f} s, one batch at full "
+        f"throughput ({engine.full_throughput:,.0f} tokens/s) = {gen:.1f} s"
+    )
+    head = (
+        f"{'policy':<28} {'fraction':>8} {'samples':>8} {'tr idle':>7} {'en idle':>7} "
+        f"{'lag':>5} {'tok lag':>7} {'bias':>6} {'wasted':>6} {'ms':>5}"
+    )
+    print(head)
+    for pol in pols:
+        t0 = time.perf_counter()
+        f = plan(pol, sc)
+        ms = (time.perf_counter() - t0) * 1e3
+        print(
+            f"{pol.name:<28} {f.fraction:>8.3f} {f.samples_ratio:>8.3f} {f.trainer_idle:>7.2f} "
+            f"{f.engine_idle:>7.2f} {f.lag:>5.2f} {f.token_lag:>7.2f} {f.length_bias:>6.3f} "
+            f"{f.wasted:>6.3f} {ms:>5.0f}"
+        )
+    print(
+        "fraction: of max(T, batch tokens / full throughput); samples: admitted samples/s "
+        "against the limit's; bias: mean admitted length / mean drawn length"
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

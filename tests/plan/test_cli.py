@@ -1,0 +1,27 @@
+import pytest
+
+from dew.plan.cli import main, parse_policy
+from dew.plan.planner import Policy
+
+
+def test_plan_prints_a_row_per_policy(capsys):
+    argv = ["--preset", "dapo", "--tasks", "8", "--group", "4", "--T", "0.5x"]
+    assert main([*argv, "--steps", "4", "--warmup", "1", "--policies", "0; 1; 1,os=50%"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].startswith("dapo: 8 tasks x 4")
+    rows = [line for line in out if line.startswith(("sync", "ahead"))]
+    names = [r[:28].strip() for r in rows]
+    assert names == ["sync", "ahead 1", "ahead 1 + oversample 2"]
+    figures = [[float(v) for v in r[28:].split()] for r in rows]
+    fraction, bias = [f[0] for f in figures], [f[6] for f in figures]
+    assert fraction[0] < fraction[1] <= 1.0
+    assert bias[0] == bias[1] == 1.0 and bias[2] < 1.0
+
+
+def test_parse_policy():
+    assert parse_policy("2,os=25%,admit=50%,lag=3", 64, 8) == Policy(2, 2, 32, 3)
+    assert parse_policy("0", 64, 8) == Policy(0)
+    with pytest.raises(ValueError, match="unknown option 'x'"):
+        parse_policy("1,x=2", 64, 8)
+    with pytest.raises(ValueError, match="must start with ahead"):
+        parse_policy("a", 64, 8)

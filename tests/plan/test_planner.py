@@ -1,0 +1,92 @@
+import math
+
+import pytest
+
+from dew.plan._engine import EngineConfig, EngineModel
+from dew.plan.planner import Policy, Scenario, plan, simulate
+from dew.plan.presets import LengthPreset
+
+
+def test_engine_single_sequence_and_fifo():
+    cfg = EngineConfig(a=1.0, b=0.5, max_active=2)
+    e = EngineModel(cfg)
+    e.add("x", 4)
+    e.add("y", 2)
+    e.add("z", 1)  # queued: two slots
+    assert (e.active, e.queued) == (2, 1)
+    # Two active: 2 s per iteration. y finishes after 2 tokens, at t=4.
+    assert e.next_completion() == pytest.approx(4.0)
+    e.served = 7  # a push: z gets its slot (first token) after it
+    assert [(k, t) for k, t, _ in e.advance(4.0)] == [("y", pytest.approx(4.0))]
+    assert e.active == 2
+    done = e.advance(100.0)
+    assert [k for k, _, _ in done] == ["z", "x"]
+    assert [v for _, _, v in done] == [7, 0]
+    assert e.generated == pytest.approx(7.0)
+
+
+def test_engine_cancel_reports_partial_tokens():
+    e = EngineModel(EngineConfig(a=1.0, b=0.0, max_active=1))
+    e.add("x", 10)
+    e.add("y", 10)
+    e.advance(3.0)
+    assert e.cancel("x") == (pytest.approx(3.0), 0)
+    assert e.active == 1  # y got the slot at once
+    assert e.cancel("y") == (0.0, 0)
+    assert e.active == 0
+    assert e.cancel("nope") is None
+    with pytest.raises(ValueError, match="length"):
+        e.add("w", 0)
+
+
+def _heavy(T_ratio: float, steps: int = 10) -> Scenario:
+    return Scenario.relative("dapo", 32, 8, T_ratio, steps=steps, warmup=3)
+
+
+def test_ahead_beats_synchronous_on_heavy_tails():
+    sc = _heavy(0.5)
+    sync, ahead = plan(Policy(0), sc), plan(Policy(1), sc)
+    assert sync.fraction < ahead.fraction
+    assert sync.lag == 0 and ahead.lag == pytest.approx(1.0)
+    for f in (sync, ahead):
+        assert 0 < f.fraction <= 1.0
+        assert f.length_bias == pytest.approx(1.0)
+        assert f.wasted == pytest.approx(0.0, abs=1e-9)
+        assert 0 <= f.trainer_idle <= 1 and -1e-9 <= f.engine_idle <= 1
+
+
+def test_trainer_bound_runs_reach_the_limit():
+    sc = _heavy(20.0, steps=6)
+    f = plan(Policy(1), sc)
+    assert f.fraction == pytest.approx(1.0, abs=0.01)
+    assert f.trainer_idle < 0.01
+
+
+def test_oversample_and_admit_favour_short_rollouts():
+    sc = _heavy(0.5)
+    over = plan(Policy(1, oversample=4), sc)
+    admit = plan(Policy(1, admit=24), sc)
+    assert over.length_bias < 0.9 and admit.length_bias < 0.95
+    assert over.wasted > 0 and admit.wasted > 0
+    assert admit.samples_ratio == pytest.approx(admit.fraction * 24 / 32)
+
+
+def test_trace_follows_the_trainer_timeline():
+    T = 5.0
+    p = LengthPreset("flat", math.log(100), 0.0, 0.0, 1000)
+    sc = Scenario(p, tasks=2, group=2, T=T, steps=3, warmup=1)
+    trace = simulate(Policy(0), sc)
+    cfg = sc.engine
+    gen = 100 * (cfg.a + cfg.b * 4)  # 4 sequences of 100 tokens, all at once
+    for k, s in enumerate(trace.steps):
+        assert s.call == pytest.approx(k * (gen + T))
+        assert s.waited == pytest.approx(gen)
+        assert s.end - s.ready == pytest.approx(T)
+        assert (s.samples, s.tokens) == (4, 400)
+
+
+def test_policy_and_scenario_validate():
+    with pytest.raises(ValueError, match="max_lag"):
+        Policy(ahead=2, max_lag=1)
+    with pytest.raises(ValueError, match="warmup"):
+        Scenario.relative("dapo", 4, 2, 1.0, steps=2, warmup=2)

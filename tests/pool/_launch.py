@@ -1,0 +1,178 @@
+"""Launch pool workers as real processes, with a hard timeout, and kill all they left.
+
+Two launchers:
+
+* ``torchrun``: ``python -m torch.distributed.run --standalone`` with N workers, the
+  way users start a pool;
+* ``direct``: N plain worker processes with the environment torchrun would give
+  them, around a rendezvous store this test process hosts. Failure tests use it
+  because torchrun's agent terminates the surviving workers as soon as one exits
+  with an error, and the point there is what each survivor raises on its own.
+
+Every worker writes its pid to ``pid<rank>`` first thing; after the run (finished,
+failed or timed out) the launcher kills each process group it started and every
+recorded pid still alive, then reports which pids had still been running.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+WORKER = Path(__file__).with_name("pool_worker.py")
+
+
+@dataclass
+class Run:
+    returncodes: list[int | None]
+    output: str
+    ranks: dict[int, dict[str, Any]]
+    leftover: list[int]  # pids still running when the run ended (then killed)
+    started: float
+    ended: float
+    failed_at: float | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    # A zombie still answers signal 0; it is not running.
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+def _env(extra: dict[str, str]) -> dict[str, str]:
+    env = dict(os.environ)
+    env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", **extra)
+    return env
+
+
+def _log(out: Path, name: str) -> Any:
+    # A file, not a pipe: a chatty worker must never block on a full pipe buffer.
+    return (out / name).open("w")
+
+
+def _collect(procs: list[subprocess.Popen[str]], out: Path, n: int, timeout: float) -> Run:
+    started = time.monotonic()
+    wall0 = time.time()
+    deadline = started + timeout
+    try:
+        for p in procs:
+            left = max(deadline - time.monotonic(), 0.0)
+            try:
+                p.wait(timeout=left)
+            except subprocess.TimeoutExpired:
+                break
+    finally:
+        leftover = []
+        for r in range(n):
+            pid_file = out / f"pid{r}"
+            if pid_file.exists():
+                pid = int(pid_file.read_text())
+                if _alive(pid):
+                    leftover.append(pid)
+                    os.kill(pid, signal.SIGKILL)
+        for p in procs:
+            if p.poll() is None:
+                leftover.append(p.pid)
+                os.killpg(p.pid, signal.SIGKILL)  # each was started in its own session
+            p.wait(timeout=30)
+    output = "".join(f.read_text() for f in sorted(out.glob("log*.txt")))
+    ranks = {}
+    for r in range(n):
+        f = out / f"rank{r}.json"
+        if f.exists():
+            ranks[r] = json.loads(f.read_text())
+    failed = out / "failed_at"
+    failed_at = float(failed.read_text()) if failed.exists() else None
+    return Run(
+        returncodes=[p.returncode for p in procs],
+        output=output,
+        ranks=ranks,
+        leftover=leftover,
+        started=wall0,
+        ended=time.time(),
+        failed_at=failed_at,
+    )
+
+
+def _config(out: Path, config: dict[str, Any]) -> Path:
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / "config.json"
+    path.write_text(json.dumps({"out": str(out), **config}))
+    return path
+
+
+def torchrun(n: int, config: dict[str, Any], out: Path, *, timeout: float = 120.0) -> Run:
+    """``torchrun --standalone --nproc-per-node n pool_worker.py``; killed at ``timeout``."""
+    path = _config(out, config)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+    cmd += [f"--nproc-per-node={n}", str(WORKER), str(path)]
+    with _log(out, "log.txt") as log:
+        proc = subprocess.Popen(
+            cmd,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env=_env({}),
+            start_new_session=True,
+        )
+    return _collect([proc], out, n, timeout)
+
+
+def direct(n: int, config: dict[str, Any], out: Path, *, timeout: float = 120.0) -> Run:
+    """n workers with torchrun's environment around a store hosted here."""
+    import torch.distributed as dist
+
+    path = _config(out, config)
+    store = dist.TCPStore(
+        "127.0.0.1", 0, n, True, timeout=timedelta(seconds=60), wait_for_workers=False
+    )
+    procs = []
+    try:
+        for r in range(n):
+            env = _env(
+                {
+                    "RANK": str(r),
+                    "LOCAL_RANK": str(r),
+                    "WORLD_SIZE": str(n),
+                    "LOCAL_WORLD_SIZE": str(n),
+                    "MASTER_ADDR": "127.0.0.1",
+                    "MASTER_PORT": str(store.port),
+                    "TORCHELASTIC_USE_AGENT_STORE": "True",
+                }
+            )
+            with _log(out, f"log{r}.txt") as log:
+                procs.append(
+                    subprocess.Popen(
+                        [sys.executable, str(WORKER), str(path)],
+                        stdout=log,
+                        stderr=subprocess.STDOUT,
+                        text=True,
+                        env=env,
+                        start_new_session=True,
+                    )
+                )
+        return _collect(procs, out, n, timeout)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.wait(timeout=30)
+        del store

@@ -1,0 +1,280 @@
+"""One process of a pool test: ``python pool_worker.py CONFIG.json`` under torchrun.
+
+It trains the tiny demo model with ``dew.train.fit`` through a real RolloutScheduler
+and GRPOObjective on a scripted in-process source, joined to the pool with
+``dew.pool``, and writes what it saw to ``<out>/rank<r>.json``: pushes (call and
+version), a digest of each packed batch, the loss normalizer, whether the proximal
+log-probs equal a fresh rescoring, scheduler log calls and rollouts started. On any
+failure it writes the error text there too and exits with code 3.
+
+Failure injection (config ``fail``: ``{"rank", "kind", "at_version"}``): once the
+served version reaches ``at_version`` the source of that rank raises (``raise``),
+SIGKILLs its own process (``kill``) or blocks until cancelled (``hang``);
+``kill_in_step`` SIGKILLs the rank right after the pool agreed on call ``at_version``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import signal
+import sys
+import threading
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from dew.data import Dataset
+from dew.demo.model import make_model
+from dew.objectives.rl.grpo import GRPOObjective
+from dew.objectives.rl.scheduler import RolloutScheduler, SchedulerRecord
+from dew.objectives.rl.sessions import Call, Rollout, RolloutKey, Status, Task, ThreadedSource
+from dew.pool import (
+    Pool,
+    PoolError,
+    agreed_checkpoint,
+    all_reduce_gradients,
+    assert_synchronized,
+    attach,
+    average_gradients,
+    init_pool,
+)
+from dew.train import fit
+
+VOCAB = 90  # token ids drawn below this (the demo vocabulary is ~100)
+
+
+class Engine:
+    """Stands in for a serving engine: it only remembers the served version."""
+
+    def __init__(self) -> None:
+        self.version = 0
+        self.loads: list[int] = []
+
+    def load(self, variables: Any, version: int) -> None:
+        self.version = version
+        self.loads.append(version)
+
+
+class ScriptedSource(ThreadedSource):
+    """Completed one-call rollouts of a few random tokens; can fail on request."""
+
+    def __init__(
+        self, engine: Engine, rank: int, fail: dict[str, Any] | None, out_dir: Path
+    ) -> None:
+        super().__init__(workers=2)
+        self.out_dir = out_dir
+        self.engine = engine
+        self.rank = rank
+        self.fail = fail if fail and fail["rank"] == rank else None
+        self.started = 0
+        self._count = threading.Lock()
+
+    def run(self, task: Task, key: RolloutKey, stop: threading.Event) -> Rollout:
+        with self._count:
+            self.started += 1
+        version = self.engine.version
+        if self.fail and version >= self.fail["at_version"]:
+            kind = self.fail["kind"]
+            with self._count:  # written whole before any thread of this rank acts on it
+                marker = self.out_dir / "failed_at"
+                if not marker.exists():
+                    (self.out_dir / "failed_at.tmp").write_text(repr(time.time()))
+                    os.replace(self.out_dir / "failed_at.tmp", marker)
+            if kind == "raise":
+                raise RuntimeError(f"scripted source failure on rank {self.rank}, task {task.id}")
+            if kind == "kill":
+                os.kill(os.getpid(), signal.SIGKILL)
+            if kind == "hang":
+                stop.wait(120.0)  # until the scheduler's timeout cancels it
+        rng = np.random.default_rng([self.rank, int(task.id), key.sample, key.attempt])
+        prompt = [5 + int(task.id) % 80, 7, 9]
+        n = int(rng.integers(2, 6))
+        completion = rng.integers(5, VOCAB, n).tolist()
+        log_probs = (-rng.uniform(0.5, 4.0, n)).tolist()
+        call = Call(prompt=prompt, completion=completion, log_probs=log_probs, version=version)
+        return Rollout(
+            key=key, task=task, status=Status.COMPLETED, calls=[call], reward=float(rng.random())
+        )
+
+
+def digest(batch: dict[str, np.ndarray]) -> str:
+    h = hashlib.sha256()
+    for key in sorted(batch):
+        h.update(key.encode())
+        h.update(np.ascontiguousarray(batch[key]).tobytes())
+    return h.hexdigest()[:16]
+
+
+class Checked:
+    """The scheduler as fit's rollout, checking each packed batch it hands out."""
+
+    def __init__(
+        self,
+        scheduler: RolloutScheduler,
+        objective: GRPOObjective,
+        out: dict,
+        fail: dict[str, Any] | None,
+        out_dir: Path,
+    ) -> None:
+        self.scheduler = scheduler
+        self.fail = fail
+        self.out_dir = out_dir
+        self.objective = objective
+        self.out = out
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.scheduler, name)
+
+    def __call__(self, model: torch.nn.Module, batch: Any, *, updates: int) -> Any:
+        pushes = len(self.scheduler.weights.pushes)
+        packed = self.scheduler(model, batch, updates=updates)
+        fail = self.fail
+        if fail and fail["kind"] == "kill_in_step" and updates >= fail["at_version"]:
+            # Dies after the pool agreed on this call: the others are about to enter the
+            # gradient collectives of the step.
+            (self.out_dir / "failed_at").write_text(repr(time.time()))
+            os.kill(os.getpid(), signal.SIGKILL)
+        with torch.no_grad():
+            fresh = self.objective.packed_log_probs(model, packed).numpy()
+        rows, width = packed["tokens"].shape
+        self.out["calls"].append(
+            {
+                "updates": updates,
+                "pushed": self.scheduler.weights.pushes[pushes:],
+                "digest": digest(packed),
+                "tasks": [int(t) for t in batch["task_id"]],
+                "trained": list(self.scheduler.last_tasks.get("trained", [])),
+                "proximal_equal": bool(np.array_equal(fresh, packed["proximal_log_probs"])),
+                "proximal_max_diff": float(np.abs(fresh - packed["proximal_log_probs"]).max()),
+                "normalizer": rows * width,
+                "trained_tokens": int((packed["loss_mask"] > 0).sum()),
+            }
+        )
+        return packed
+
+
+def main(config: dict[str, Any]) -> int:
+    out_dir = Path(config["out"])
+    out: dict[str, Any] = {
+        "calls": [],
+        "synchronized": [],
+        "params": [],
+        "logged": 0,
+        "pid": os.getpid(),
+    }
+    rank = int(os.environ["RANK"])
+    (out_dir / f"pid{rank}").write_text(str(os.getpid()))
+    pool: Pool | None = None
+    code = 0
+    try:
+        pool = init_pool(
+            "gloo",
+            timeout=config.get("pg_timeout", 30.0),
+            agree_timeout=config.get("agree_timeout", 10.0),
+            readers_per_share=config.get("readers_per_share", 1),
+        )
+        out.update(rank=pool.rank, world=pool.world, share=pool.share, reader=pool.reader)
+        torch.manual_seed(0)
+        model = make_model("qwen2", "tiny", seed=0)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        objective = GRPOObjective()
+        engine = Engine()
+        source = ScriptedSource(engine, pool.rank, config.get("fail"), out_dir)
+        tasks_per_share = config.get("tasks_per_share", 2)
+        dataset = Dataset(
+            {"task_id": np.arange(64)}, batch_size=tasks_per_share * pool.shares, seed=1
+        )
+
+        def log(record: SchedulerRecord) -> None:
+            out["logged"] += 1
+
+        scheduler = RolloutScheduler(
+            objective,
+            source,
+            engine,
+            width=32,
+            rows=config.get("rows", 4),
+            groups=2,
+            ahead=1,
+            max_lag=1,
+            max_attempts=config.get("max_attempts", 3),
+            timeout=config.get("rollout_timeout"),
+            log=log,
+        )
+        attach(scheduler, pool)
+        hooks = average_gradients(model, pool)
+
+        def check(record: dict[str, Any]) -> None:
+            assert pool is not None
+            assert_synchronized(model, pool)  # raises PoolError on any divergence
+            out["synchronized"].append(record["step"])
+            out["params"].append(
+                digest({n: p.detach().numpy() for n, p in model.named_parameters()})
+            )
+
+        run_dir = None
+        resume: bool | Path = False
+        if config.get("run_dir"):
+            run_dir = Path(config["run_dir"]) / f"rank{pool.rank}"
+            if config.get("resume"):
+                resume = agreed_checkpoint(run_dir, pool) or False
+        try:
+            result = fit(
+                model,
+                optimizer,
+                pool.dataset(dataset),
+                Checked(scheduler, objective, out, source.fail, out_dir),
+                objective,
+                steps=config.get("steps", 3),
+                run_dir=run_dir,
+                checkpoint_every=config.get("checkpoint_every"),
+                resume=resume,
+                log=[check],
+                tensorboard=False,
+            )
+            out["resumed_from"] = str(result.resumed_from) if result.resumed_from else None
+        finally:
+            hooks.remove()
+            scheduler.close()
+            source.close()
+        if config.get("diverge_check"):
+            # The check must catch a difference: perturb one parameter on the last rank.
+            if pool.rank == pool.world - 1:
+                with torch.no_grad():
+                    next(model.parameters()).view(-1)[0] += 1e-3
+            # Explicit averaging: rank r's gradient is r + 1 everywhere; the mean is known.
+            for p in model.parameters():
+                p.grad = torch.full_like(p, float(pool.rank + 1))
+            all_reduce_gradients(model, pool)
+            mean = (pool.world + 1) / 2
+            out["grad_mean_ok"] = all(bool((p.grad == mean).all()) for p in model.parameters())
+            try:
+                assert_synchronized(model, pool)
+                out["divergence_caught"] = ""
+            except PoolError as exc:
+                out["divergence_caught"] = str(exc)
+        out["pushes"] = list(scheduler.weights.pushes)
+        out["engine_loads"] = engine.loads
+        out["started"] = source.started
+    except Exception as exc:
+        out["error"] = f"{type(exc).__name__}: {exc}"
+        out["traceback"] = traceback.format_exc()
+        print(f"rank {os.environ.get('RANK')}: {out['error']}", file=sys.stderr, flush=True)
+        code = 3
+    finally:
+        out["exit_time"] = time.time()
+        (out_dir / f"rank{rank}.json.tmp").write_text(json.dumps(out))
+        os.replace(out_dir / f"rank{rank}.json.tmp", out_dir / f"rank{rank}.json")
+        if pool is not None:
+            pool.close()
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main(json.loads(Path(sys.argv[1]).read_text())))
