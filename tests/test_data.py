@@ -92,3 +92,13 @@ def test_bad_columns_and_positions() -> None:
         ds.share(2, 2)
     with pytest.raises(ValueError, match="depth"):
         Prefetch(ds.stream(), depth=-1)
+
+
+def test_hugging_face_dataset_columns() -> None:
+    import datasets
+
+    table = datasets.Dataset.from_dict({"task_id": list(range(6)), "prompt": list("abcdef")})
+    ds = Dataset(table, batch_size=2, shuffle=False)
+    first = next(ds.stream())
+    assert first["task_id"].tolist() == [0, 1]
+    assert first["prompt"].tolist() == ["a", "b"]

@@ -1,0 +1,290 @@
+"""Engine benchmark: RolloutServer against ``model.generate`` on the same static batch.
+
+Throughput: 64 prompts (random demo-vocabulary ids, 8-24 tokens) x 32 new tokens,
+sampled at temperature 1 with no stop token, on two model sizes. ``model.generate`` gets
+the batch left-padded in one call; the server gets it as 64 concurrent ``generate``
+calls from 64 threads. Both are timed after a warm-up run, ``--repeats`` times, in
+completion tokens per second. The headline figure is each side's best run: on a machine
+shared with other jobs, background load only ever slows a run down, so the fastest run
+is the closest to the code's own speed (the median and the range are printed beside it).
+
+Latency: ``--long`` requests of ``--long-tokens`` tokens (default 16 of 400) run; once
+all are decoding, a short request (8 tokens) is submitted. Reported: its latency beside
+the long ones, its latency on an idle server, and the time the long batch takes to
+finish (what a static batcher would make the short request wait first).
+
+Runs alternate (model.generate, then a fresh server, per repeat) so both see the same
+background load on a shared machine; all torch work happens off the main thread (see
+``_in_thread`` for why).
+
+``--write`` replaces the ``## engine`` section of bench/RESULTS.md (other sections are
+kept); ``--tiny`` is a seconds-long smoke run that writes nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import platform
+import re
+import statistics
+import sys
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import TypeVar
+
+import torch
+import transformers
+
+from dew.demo.model import make_model
+from dew.serving import RolloutServer
+
+RESULTS = Path(__file__).resolve().parent / "RESULTS.md"
+T = TypeVar("T")
+
+
+def _prompts(count: int, vocab: int, seed: int, short: int, long: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    lens = torch.randint(short, long + 1, (count,), generator=g).tolist()
+    return [torch.randint(6, vocab, (n,), generator=g).tolist() for n in lens]
+
+
+def _hf_generate(model: torch.nn.Module, prompts: list[list[int]], new: int) -> int:
+    width = max(map(len, prompts))
+    ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts])  # [b, T] left-padded
+    mask = (
+        torch.arange(width).unsqueeze(0)
+        >= (width - torch.tensor([len(p) for p in prompts])).unsqueeze(1)
+    ).long()
+    with torch.inference_mode():
+        out = model.generate(
+            ids,
+            attention_mask=mask,
+            max_new_tokens=new,
+            min_new_tokens=new,
+            do_sample=True,
+            temperature=1.0,
+            top_k=None,
+            top_p=None,
+            pad_token_id=0,
+        )
+    return int(out[:, width:].numel())
+
+
+def _server_generate(
+    server: RolloutServer, prompts: list[list[int]], new: int
+) -> tuple[int, float]:
+    """(tokens, seconds): one thread per prompt, all released at once by an event."""
+    counts = [0] * len(prompts)
+    go = threading.Event()
+
+    def one(i: int) -> None:
+        go.wait()
+        counts[i] = len(server.generate(prompts[i], max_tokens=new, temperature=1.0).completion)
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(prompts))]
+    for t in threads:
+        t.start()
+    t0 = time.perf_counter()
+    go.set()
+    for t in threads:
+        t.join()
+    return sum(counts), time.perf_counter() - t0
+
+
+def _timed(fn: Callable[[], int]) -> tuple[int, float]:
+    t0 = time.perf_counter()
+    tokens = fn()
+    return tokens, time.perf_counter() - t0
+
+
+def _in_thread(fn: Callable[[], T]) -> T:
+    """Run ``fn`` on a short-lived thread and return its result.
+
+    With GNU OpenMP every thread that runs parallel torch ops keeps its own worker team
+    for life; two live teams on few cores throttle each other (workers sleep after every
+    parallel region). The main thread therefore runs no torch work here: each measured
+    path (model.generate, or the server's engine thread) owns the only live team, as a
+    plain single-threaded script would.
+    """
+    out: list[T] = []
+    errors: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            out.append(fn())
+        except BaseException as exc:  # re-raised on the calling thread below
+            errors.append(exc)
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    thread.join()
+    if errors:
+        raise errors[0]
+    return out[0]
+
+
+def _hf_run(model: torch.nn.Module, prompts: list[list[int]], new: int) -> float:
+    """tokens/s of one timed model.generate call after a warm-up one."""
+
+    def run() -> float:
+        _hf_generate(model, prompts, new)
+        tokens, seconds = _timed(lambda: _hf_generate(model, prompts, new))
+        return tokens / seconds
+
+    return _in_thread(run)
+
+
+def _server_run(model: torch.nn.Module, prompts: list[list[int]], new: int, seed: int) -> float:
+    """tokens/s of one timed static batch on a fresh server after a warm-up batch."""
+    server = _in_thread(lambda: RolloutServer(model, max_batch=len(prompts), seed=seed))
+    with server:
+        _server_generate(server, prompts, new)
+        tokens, seconds = _server_generate(server, prompts, new)
+    return tokens / seconds
+
+
+def throughput(
+    size: str, batch: int, new: int, repeats: int, seed: int
+) -> tuple[list[float], list[float]]:
+    """Per-repeat (model.generate tokens/s, RolloutServer tokens/s) on the same prompts.
+
+    Runs alternate, so both see the same background load on a shared machine."""
+    model = _in_thread(lambda: make_model("qwen2", size, seed=seed))
+    prompts = _prompts(batch, model.config.vocab_size, seed, 8, 24)
+    hf, ours = [], []
+    for _ in range(repeats):
+        hf.append(_hf_run(model, prompts, new))
+        ours.append(_server_run(model, prompts, new, seed))
+    return hf, ours
+
+
+def _cell(rates: list[float]) -> str:
+    return f"{max(rates):,.0f} (median {statistics.median(rates):,.0f}, min {min(rates):,.0f})"
+
+
+def latency(size: str, long: int, long_tokens: int, seed: int) -> tuple[float, float, float]:
+    """(short alone s, short beside long ones s, long batch s)."""
+    model = _in_thread(lambda: make_model("qwen2", size, seed=seed))
+    prompts = _prompts(long + 1, model.config.vocab_size, seed, 8, 24)
+    short_tokens = 8
+    with _in_thread(lambda: RolloutServer(model, max_batch=long + 1, seed=seed)) as server:
+        server.generate(prompts[-1], max_tokens=short_tokens)  # warm-up
+        t0 = time.perf_counter()
+        server.generate(prompts[-1], max_tokens=short_tokens)
+        alone = time.perf_counter() - t0
+
+        t0 = time.perf_counter()
+        threads = [
+            threading.Thread(target=server.generate, args=(p,), kwargs={"max_tokens": long_tokens})
+            for p in prompts[:-1]
+        ]
+        for t in threads:
+            t.start()
+        deadline = time.monotonic() + 120
+        while server.stats()["active"] < long:  # wait until every long request decodes
+            if time.monotonic() > deadline:
+                raise RuntimeError("long requests never became active")
+            time.sleep(0.001)
+        s0 = time.perf_counter()
+        server.generate(prompts[-1], max_tokens=short_tokens)
+        beside = time.perf_counter() - s0
+        for t in threads:
+            t.join()
+        batch_time = time.perf_counter() - t0
+    return alone, beside, batch_time
+
+
+def _machine() -> str:
+    model = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return (
+        f"{model}, {os.cpu_count()} CPUs (nproc), torch {torch.__version__} "
+        f"({torch.get_num_threads()} threads), transformers {transformers.__version__}, "
+        f"Python {platform.python_version()}"
+    )
+
+
+def write_section(text: str, path: Path = RESULTS) -> None:
+    """Replace the ``## engine`` section of ``path`` (or add it), keeping the others."""
+    old = path.read_text() if path.exists() else "# Benchmark results\n"
+    section = text.rstrip("\n") + "\n"
+    pattern = re.compile(r"^## engine\n.*?(?=^## |\Z)", re.S | re.M)
+    if pattern.search(old):
+        new = pattern.sub(lambda _: section + "\n", old, count=1).rstrip("\n") + "\n"
+    else:
+        new = old.rstrip("\n") + "\n\n" + section
+    path.write_text(new)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--sizes", default="small,base", help="demo model sizes (comma-separated)")
+    ap.add_argument("--batch", type=int, default=64)
+    ap.add_argument("--new", type=int, default=32, help="new tokens per prompt")
+    ap.add_argument("--long", type=int, default=16, help="long requests in the latency test")
+    ap.add_argument("--long-tokens", type=int, default=400, help="tokens per long request")
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--tiny", action="store_true", help="tiny model, small batch, no write")
+    ap.add_argument("--write", action="store_true", help="update bench/RESULTS.md")
+    args = ap.parse_args()
+    if args.tiny:
+        args.sizes, args.batch, args.new, args.long, args.repeats = "tiny", 8, 8, 2, 1
+        args.long_tokens = 40
+        args.write = False
+    sizes = [s for s in args.sizes.split(",") if s]
+
+    load_before = os.getloadavg()[0]
+    rows = []
+    for size in sizes:
+        hf, ours = throughput(size, args.batch, args.new, args.repeats, args.seed)
+        ratio = max(ours) / max(hf)
+        rows.append(f"| {size} | {_cell(hf)} | {_cell(ours)} | {ratio:.2f}x |")
+    table = (
+        "| model | model.generate tokens/s | RolloutServer tokens/s | ratio of bests |\n"
+        "|---|---:|---:|---:|\n" + "\n".join(rows)
+    )
+    lat_size = sizes[0]
+    alone, beside, batch_time = latency(lat_size, args.long, args.long_tokens, args.seed)
+    lat = (
+        f"| short request (8 tokens), `{lat_size}` model | seconds |\n|---|---:|\n"
+        f"| alone on an idle server | {alone:.3f} |\n"
+        f"| submitted while {args.long} long requests ({args.long_tokens} tokens) decode "
+        f"| {beside:.3f} |\n"
+        f"| the long requests' total time (a static batch's wait) | {batch_time:.3f} |"
+    )
+    print(table)
+    print()
+    print(lat)
+    if args.write:
+        command = " ".join([".venv/bin/python", "bench/engine.py", *sys.argv[1:]])
+        write_section(
+            "## engine\n\n"
+            f"Command: `{command}`  \n"
+            f"Machine: {_machine()}  \n"
+            f"Date: {datetime.date.today().isoformat()} (1-minute load average "
+            f"{load_before:.1f} before, {os.getloadavg()[0]:.1f} after: a shared machine)\n\n"
+            f"Static batch: {args.batch} prompts (8-24 tokens) x {args.new} new tokens, "
+            f"temperature 1, qwen2 demo models. Each cell: best (median, min) of "
+            f"{args.repeats} alternating runs, each after a warm-up; background load only "
+            f"slows a run, so the best run is the figure. The server gets the "
+            f"batch as {args.batch} concurrent `generate` calls; all torch work runs off the "
+            f"main thread, so the measured path owns the process's only OpenMP team (two "
+            f"live teams on 2 cores slow each other down).\n\n"
+            f"{table}\n\n{lat}\n"
+        )
+        print(f"wrote the engine section of {RESULTS}")
+
+
+if __name__ == "__main__":
+    main()

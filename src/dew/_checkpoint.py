@@ -1,0 +1,246 @@
+"""Atomic training checkpoints: written whole or not at all, verified before use.
+
+A checkpoint is a folder ``<run>/checkpoints/step-<updates>`` holding
+
+* ``model.safetensors``: the policy's parameters and buffers (shared tensors, such as
+  tied embeddings, are stored once);
+* ``optimizer.pt``: the optimizer's ``state_dict`` (loaded with ``weights_only=True``);
+* ``rng.pt``: the torch CPU (and CUDA, when present) generator states;
+* ``state.json``: updates, data position, the Python and numpy generator states and
+  any extra JSON the caller adds;
+* ``records.jsonl``: the run's record history up to this checkpoint;
+* ``manifest.json``: size and SHA-256 of every other file. It is written last, so a
+  folder without a manifest, or whose files disagree with it, is not a checkpoint.
+
+Writing goes to a temporary folder in the same parent; every file and the folder are
+fsynced, then one ``rename`` publishes it and the parent is fsynced. Until then the
+previous checkpoint is untouched; older ones are pruned only after the new one is in
+place, keeping the newest ``keep``. A process killed mid-write leaves a ``.tmp-*``
+folder that the next save or load removes.
+
+Verification refuses a checkpoint with :class:`CheckpointError` naming the file at
+fault; :func:`latest` walks back to the newest checkpoint that verifies.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import random
+import re
+import shutil
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+__all__ = ["Checkpoint", "CheckpointError", "checkpoints", "latest", "load", "save"]
+
+logger = logging.getLogger("dew.train")
+
+_NAME = re.compile(r"^step-(\d+)$")
+_FILES = ("model.safetensors", "optimizer.pt", "rng.pt", "state.json", "records.jsonl")
+MANIFEST = "manifest.json"
+
+
+class CheckpointError(ValueError):
+    """A checkpoint folder is missing, truncated or corrupt; the message names the file."""
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    """What a verified checkpoint restores besides the model and optimizer."""
+
+    path: Path
+    updates: int
+    position: int
+    records: list[dict[str, Any]]
+    extra: dict[str, Any]
+
+
+def _fsync_file(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _rng_json() -> dict[str, Any]:
+    version, state, gauss = random.getstate()
+    kind, keys, pos, has_gauss, cached = np.random.get_state()
+    return {
+        "python": [version, list(state), gauss],
+        "numpy": [kind, np.asarray(keys).tolist(), int(pos), int(has_gauss), float(cached)],
+    }
+
+
+def _set_rng_json(rng: Mapping[str, Any]) -> None:
+    version, state, gauss = rng["python"]
+    random.setstate((version, tuple(state), gauss))
+    kind, keys, pos, has_gauss, cached = rng["numpy"]
+    np.random.set_state((kind, np.asarray(keys, dtype=np.uint32), pos, has_gauss, cached))
+
+
+def checkpoints(folder: Path) -> list[Path]:
+    """Published checkpoint folders under ``folder``, oldest first (unverified)."""
+    if not folder.is_dir():
+        return []
+    found = [(int(m.group(1)), p) for p in folder.iterdir() if (m := _NAME.match(p.name))]
+    return [p for _, p in sorted(found)]
+
+
+def _clean_temporaries(folder: Path) -> None:
+    for p in folder.glob(".tmp-*"):
+        shutil.rmtree(p, ignore_errors=True)
+
+
+def save(
+    folder: Path,
+    *,
+    model: Any,
+    optimizer: Any,
+    updates: int,
+    position: int,
+    records: Sequence[Mapping[str, Any]],
+    extra: Mapping[str, Any] | None = None,
+    keep: int = 2,
+) -> Path:
+    """Write checkpoint ``step-<updates>`` under ``folder`` atomically; returns its path."""
+    import torch
+    from safetensors.torch import save_model
+
+    if keep < 1:
+        raise ValueError(f"keep={keep} must be >= 1")
+    folder.mkdir(parents=True, exist_ok=True)
+    _clean_temporaries(folder)
+    final = folder / f"step-{updates:08d}"
+    tmp = folder / f".tmp-{final.name}-{os.getpid()}"
+    tmp.mkdir()
+    try:
+        save_model(model, str(tmp / "model.safetensors"))
+        torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
+        rng = {"torch": torch.get_rng_state()}
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            rng["cuda"] = torch.cuda.get_rng_state_all()
+        torch.save(rng, tmp / "rng.pt")
+        state = {
+            "updates": updates,
+            "position": position,
+            "rng": _rng_json(),
+            "extra": dict(extra or {}),
+        }
+        (tmp / "state.json").write_text(json.dumps(state))
+        with open(tmp / "records.jsonl", "w") as f:
+            for r in records:
+                f.write(json.dumps(r) + "\n")
+        manifest = {}
+        for name in _FILES:
+            _fsync_file(tmp / name)
+            manifest[name] = {"bytes": (tmp / name).stat().st_size, "sha256": _sha256(tmp / name)}
+        with open(tmp / MANIFEST, "w") as f:
+            json.dump({"files": manifest}, f)
+            f.flush()
+            os.fsync(f.fileno())
+        _fsync_dir(tmp)
+        if final.exists():  # a re-save of the same step (e.g. after a resume): replace it
+            old = folder / f".tmp-old-{final.name}-{os.getpid()}"
+            final.rename(old)
+            tmp.rename(final)
+            shutil.rmtree(old)
+        else:
+            tmp.rename(final)
+        _fsync_dir(folder)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    for old in checkpoints(folder)[:-keep]:
+        shutil.rmtree(old, ignore_errors=True)
+    return final
+
+
+def verify(path: Path) -> None:
+    """Raise :class:`CheckpointError` unless every file of ``path`` matches its manifest."""
+    manifest_path = path / MANIFEST
+    if not manifest_path.is_file():
+        raise CheckpointError(f"{manifest_path}: missing; the checkpoint was never completed")
+    try:
+        files = json.loads(manifest_path.read_text())["files"]
+    except (ValueError, KeyError, TypeError) as exc:
+        raise CheckpointError(f"{manifest_path}: unreadable manifest ({exc})") from exc
+    for name in _FILES:
+        file = path / name
+        if name not in files:
+            raise CheckpointError(f"{manifest_path}: does not list {name}")
+        if not file.is_file():
+            raise CheckpointError(f"{file}: missing")
+        size = file.stat().st_size
+        if size != files[name]["bytes"]:
+            raise CheckpointError(
+                f"{file}: {size} bytes, the manifest says {files[name]['bytes']} (truncated?)"
+            )
+        if _sha256(file) != files[name]["sha256"]:
+            raise CheckpointError(f"{file}: contents do not match the manifest's SHA-256")
+
+
+def load(path: Path, *, model: Any, optimizer: Any) -> Checkpoint:
+    """Verify ``path`` and restore model, optimizer and every RNG; returns the rest."""
+    import torch
+    from safetensors.torch import load_model
+
+    path = Path(path)
+    verify(path)
+    try:
+        state = json.loads((path / "state.json").read_text())
+        records = [json.loads(line) for line in (path / "records.jsonl").read_text().splitlines()]
+        rng = torch.load(path / "rng.pt", weights_only=True)
+        opt_state = torch.load(path / "optimizer.pt", weights_only=True)
+    except (ValueError, RuntimeError, OSError) as exc:
+        raise CheckpointError(f"{path}: unreadable despite a matching manifest ({exc})") from exc
+    load_model(model, str(path / "model.safetensors"))
+    optimizer.load_state_dict(opt_state)
+    torch.set_rng_state(rng["torch"])
+    if "cuda" in rng and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(rng["cuda"])
+    _set_rng_json(state["rng"])
+    return Checkpoint(
+        path=path,
+        updates=int(state["updates"]),
+        position=int(state["position"]),
+        records=records,
+        extra=dict(state.get("extra", {})),
+    )
+
+
+def latest(folder: Path) -> Path | None:
+    """The newest checkpoint under ``folder`` that verifies; refused ones are logged."""
+    if folder.is_dir():
+        _clean_temporaries(folder)
+    for path in reversed(checkpoints(folder)):
+        try:
+            verify(path)
+        except CheckpointError as exc:
+            logger.error("refusing checkpoint %s: %s; trying the previous one", path, exc)
+            continue
+        return path
+    return None

@@ -1,0 +1,98 @@
+"""The ``dew`` command: ``dew demo`` trains the example task, ``dew plot`` redraws a run.
+
+Parsing imports nothing heavy: torch, transformers and matplotlib load only inside
+the command that needs them, so ``dew --help`` answers at once.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Callable, Sequence
+
+__all__ = ["main", "parser"]
+
+
+def _demo(args: argparse.Namespace) -> int:
+    from dew.demo.run import DemoConfig, DemoError, run_demo
+    from dew.train import CheckpointError
+
+    overrides = {
+        name: getattr(args, name)
+        for name in ("steps", "seed", "size", "lr", "group_size", "batch_size", "max_tokens")
+        if getattr(args, name) is not None
+    }
+    try:
+        config = DemoConfig.for_task(args.task, **overrides)
+    except ValueError as exc:
+        raise SystemExit(f"dew demo: error: {exc}") from None
+    try:
+        result = run_demo(
+            config if args.resume is None or overrides else None,
+            run_dir=args.run_dir,
+            resume=args.resume,
+            progress=not args.no_progress,
+        )
+    except (DemoError, CheckpointError) as exc:
+        raise SystemExit(f"dew demo: error: {exc}") from None
+    print(result.summary())
+    return 0
+
+
+def _plot(args: argparse.Namespace) -> int:
+    from dew.plot import plot_run
+
+    try:
+        print(plot_run(args.run_dir, args.out))
+    except FileNotFoundError as exc:
+        raise SystemExit(f"dew plot: error: {exc}") from None
+    return 0
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="dew",
+        description="dew: asynchronous RL post-training of language models.",
+    )
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    demo = sub.add_parser(
+        "demo",
+        help="train a tiny model on an example task (GRPO with the RolloutScheduler)",
+        description="Train a tiny model from scratch on an example task with GRPO, the "
+        "RolloutScheduler (ahead 1) and the in-process RolloutServer. Writes a run folder "
+        "with records.jsonl, the checkpoint and plot.png.",
+    )
+    demo.add_argument(
+        "--task",
+        default="single",
+        help="single (single-turn verifiable task, default), guess (multi-turn "
+        "environment) or agent (an OpenAI-client harness through the gateway)",
+    )
+    demo.add_argument("--run-dir", default=None, help="run folder (default runs/demo-<time>)")
+    demo.add_argument("--resume", default=None, metavar="RUN_DIR", help="continue this run")
+    demo.add_argument("--steps", type=int, default=None, help="total optimizer updates")
+    demo.add_argument("--seed", type=int, default=None)
+    demo.add_argument("--size", default=None, help="model size: tiny, small or base")
+    demo.add_argument("--lr", type=float, default=None, help="learning rate")
+    demo.add_argument("--group-size", type=int, default=None, help="rollouts per task")
+    demo.add_argument("--batch-size", type=int, default=None, help="tasks per step")
+    demo.add_argument("--max-tokens", type=int, default=None, help="completion token limit")
+    demo.add_argument("--no-progress", action="store_true", help="no progress bar")
+    demo.set_defaults(run=_demo)
+
+    plot = sub.add_parser("plot", help="redraw a run's plot.png from its records.jsonl")
+    plot.add_argument("run_dir", metavar="RUN_DIR")
+    plot.add_argument("--out", default=None, help="output file (default RUN_DIR/plot.png)")
+    plot.set_defaults(run=_plot)
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    run: Callable[[argparse.Namespace], int] = args.run
+    return run(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,536 @@
+"""The recording gateway's ASGI application: OpenAI endpoints over an engine.
+
+Request path, in this order, so that cheap refusals come first and nothing is
+recorded for a refused request: authenticate the bearer token (401/409/410), read
+the body under the size cap (413), decode JSON (400), validate fields (400), render
+and encode the prompt, admit it against the session's caps (400), generate, and
+record. Every refusal is an OpenAI-style error body with ``x-should-retry: false``
+(the official client would otherwise retry 409 and 5xx answers).
+
+Concurrency invariants:
+
+* the event loop never blocks: rendering, encoding, generation and detokenization
+  run on the gateway's bounded thread pool, which the gateway owns and joins;
+* every admitted request is settled exactly once (recorded, or released), also
+  when its client disconnects or its coroutine is cancelled; an abandoned request
+  sets its stop event so the engine aborts it within one decode step;
+* a streamed response sends its opening chunk (the role) before generation ends and
+  its content only after the call was recorded, so a client never sees text that
+  was not recorded. The engine returns whole calls, so the content chunks (one per
+  token) arrive together once the call is complete.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import secrets
+import threading
+from collections.abc import AsyncIterator, Callable, Collection, Sequence
+from concurrent.futures import Executor
+from dataclasses import dataclass
+from functools import partial
+from typing import Any, Protocol
+
+import numpy as np
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from dew.objectives.rl.sessions import Call
+from dew.objectives.rl.sources import _gateway_protocol as wire
+from dew.objectives.rl.sources import _gateway_responses as shape
+from dew.objectives.rl.sources._gateway_protocol import RequestError, Sampling
+from dew.objectives.rl.sources._gateway_responses import Choice
+from dew.objectives.rl.sources._gateway_sessions import Admission, SessionTable
+from dew.objectives.rl.sources._gateway_text import (
+    Prefix,
+    decode,
+    encode,
+    finish_call,
+    render_chat,
+    single_token_stops,
+)
+
+__all__ = ["Engine", "GatewayConfig", "build_app"]
+
+log = logging.getLogger("dew.gateway")
+
+_NO_RETRY = {"x-should-retry": "false"}
+
+
+class Engine(Protocol):
+    """What the gateway needs of an engine (``dew.serving.RolloutServer`` is one)."""
+
+    @property
+    def version(self) -> int: ...
+
+    def generate(
+        self,
+        prompt: Sequence[int],
+        *,
+        max_tokens: int,
+        temperature: float = 1.0,
+        top_k: int | None = None,
+        top_p: float | None = None,
+        stop_ids: Collection[int] = (),
+        stop: threading.Event | None = None,
+    ) -> Call: ...
+
+
+@dataclass(frozen=True)
+class GatewayConfig:
+    model_name: str
+    max_body_bytes: int
+    max_n: int
+    stop_ids: frozenset[int]
+    temperature: float
+    top_p: float | None
+    top_k: int | None
+    client_sampling: bool
+
+
+class _ClientGone(Exception):
+    """The client disconnected; nobody reads the answer."""
+
+
+def _error(err: RequestError, *, close: bool = False) -> JSONResponse:
+    headers = dict(_NO_RETRY)
+    if close:
+        headers["connection"] = "close"
+    return JSONResponse(wire.error_body(err), status_code=err.status, headers=headers)
+
+
+def _sse(obj: object) -> str:
+    return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n"
+
+
+def _reject_constant(name: str) -> float:
+    raise ValueError(f"{name} is not a JSON number")
+
+
+def _parse_json(raw: bytes) -> object:
+    if not raw.strip():
+        raise RequestError(
+            400, "the request body is empty; send a JSON object", code="invalid_body"
+        )
+    try:
+        return json.loads(raw, parse_constant=_reject_constant)
+    except (ValueError, RecursionError) as exc:  # UnicodeDecodeError is a ValueError
+        reason = "nested too deeply" if isinstance(exc, RecursionError) else str(exc)[:200]
+        raise RequestError(
+            400, f"the request body is not valid JSON: {reason}", code="invalid_json"
+        ) from None
+
+
+def _is_count(header: str) -> bool:
+    return header.isascii() and header.isdigit()
+
+
+class _Body:
+    """Reads an ASGI request body under a size cap; remembers whether it was consumed."""
+
+    def __init__(self, request: Request) -> None:
+        self.request = request
+        self.done = False
+
+    async def _chunks(self) -> AsyncIterator[bytes]:
+        while not self.done:
+            msg = await self.request.receive()
+            if msg["type"] == "http.disconnect":
+                self.done = True
+                raise _ClientGone
+            if not msg.get("more_body", False):
+                self.done = True
+            yield msg.get("body", b"")
+
+    async def read(self, limit: int) -> bytes:
+        declared = self.request.headers.get("content-length")
+        if declared is not None and (not _is_count(declared) or int(declared) > limit):
+            raise self._too_large(limit, declared)
+        parts, size = [], 0
+        async for chunk in self._chunks():
+            size += len(chunk)
+            if size > limit:
+                raise self._too_large(limit, None)
+            parts.append(chunk)
+        return b"".join(parts)
+
+    @staticmethod
+    def _too_large(limit: int, declared: str | None) -> RequestError:
+        if declared is not None and not _is_count(declared):
+            return RequestError(
+                400, "the Content-Length header is not a number", code="invalid_body"
+            )
+        return RequestError(
+            413, f"the request body exceeds {limit} bytes (max_body_bytes)", code="body_too_large"
+        )
+
+    async def drain(self, cap: int) -> bool:
+        """Discard the rest of the body so the client can read our answer; False past ``cap``."""
+        size = 0
+        with contextlib.suppress(_ClientGone):
+            async for chunk in self._chunks():
+                size += len(chunk)
+                if size > cap:
+                    return False
+        return True
+
+
+async def _watch_disconnect(request: Request, stop: threading.Event) -> None:
+    # After the body is read, the server's next message is the disconnect.
+    while True:
+        try:
+            msg = await request.receive()
+        except Exception:  # the connection is in a state we cannot read: stop watching
+            log.debug("disconnect watcher ended", exc_info=True)
+            return
+        if msg["type"] == "http.disconnect":
+            stop.set()
+            return
+
+
+@dataclass(frozen=True)
+class _Prompt:
+    ids: np.ndarray  # [n] int64
+    text: str
+
+
+@dataclass(frozen=True)
+class _Kind:
+    """One endpoint family: how to parse, build the prompt and shape the answer."""
+
+    parse: Callable[[object], Any]
+    prompt: Callable[[Any, tuple[Prefix, ...]], _Prompt]
+    response: Callable[[str, str, int, Sequence[Choice], bool], dict[str, Any]]
+    opening: Callable[[str, str, int], dict[str, Any]]
+    stream: Callable[..., list[dict[str, Any]]]
+    id_prefix: str
+
+
+class _Service:
+    def __init__(
+        self,
+        engine: Engine,
+        tokenizer: Any,
+        table: SessionTable,
+        config: GatewayConfig,
+        pool: Executor,
+    ) -> None:
+        self.engine = engine
+        self.tokenizer = tokenizer
+        self.table = table
+        self.config = config
+        self.pool = pool
+        self.vocab_size = len(tokenizer)
+        self._tasks: set[asyncio.Future[list[Choice]]] = set()
+        self.kinds = {
+            "chat": _Kind(
+                parse=lambda body: wire.parse_chat(body, max_n=config.max_n),
+                prompt=self._chat_prompt,
+                response=shape.chat_response,
+                opening=shape.chat_opening,
+                stream=shape.chat_stream,
+                id_prefix="chatcmpl-",
+            ),
+            "completion": _Kind(
+                parse=lambda body: wire.parse_completion(
+                    body, max_n=config.max_n, vocab_size=self.vocab_size
+                ),
+                prompt=self._completion_prompt,
+                response=shape.completion_response,
+                opening=shape.completion_opening,
+                stream=shape.completion_stream,
+                id_prefix="cmpl-",
+            ),
+        }
+
+    # ------------------------------------------------------------------ prompts
+
+    def _chat_prompt(self, req: wire.ChatRequest, history: tuple[Prefix, ...]) -> _Prompt:
+        text = render_chat(self.tokenizer, req.messages, req.tools)
+        return _Prompt(encode(self.tokenizer, text, history, add_special_tokens=False), text)
+
+    def _completion_prompt(
+        self, req: wire.CompletionRequest, history: tuple[Prefix, ...]
+    ) -> _Prompt:
+        if isinstance(req.prompt, str):
+            ids = encode(self.tokenizer, req.prompt, history, add_special_tokens=True)
+            return _Prompt(ids, req.prompt)
+        ids = np.asarray(req.prompt, dtype=np.int64)
+        return _Prompt(ids, decode(self.tokenizer, req.prompt))
+
+    # ------------------------------------------------------------------ sampling
+
+    def _params(self, s: Sampling) -> dict[str, Any]:
+        c = self.config
+        if not c.client_sampling:
+            # The trained policy's sampling, whatever the harness asks for: every
+            # recorded call then comes from the distribution the objective assumes.
+            return {"temperature": c.temperature, "top_p": c.top_p, "top_k": c.top_k}
+        temperature = c.temperature if s.temperature is None else s.temperature
+        if temperature <= 0:
+            raise RequestError(
+                400,
+                "'temperature' must be > 0: a greedy call has no sampling distribution to train on",
+                param="temperature",
+                code="invalid_value",
+            )
+        return {
+            "temperature": temperature,
+            "top_p": c.top_p if s.top_p is None else s.top_p,
+            "top_k": c.top_k if s.top_k is None else s.top_k,
+        }
+
+    # ------------------------------------------------------------------ generation
+
+    def _one(
+        self,
+        prompt: _Prompt,
+        adm: Admission,
+        params: dict[str, Any],
+        stop_ids: frozenset[int],
+        stops: Sequence[str],
+    ) -> tuple[Call, Choice, Prefix]:
+        call = self.engine.generate(
+            prompt.ids, max_tokens=adm.max_tokens, stop_ids=stop_ids, stop=adm.stop, **params
+        )
+        recorded, choice, completion_text = finish_call(self.tokenizer, call, stop_ids, stops)
+        ids = np.concatenate([prompt.ids, np.asarray(recorded.completion, dtype=np.int64)])
+        return recorded, choice, Prefix(prompt.text + completion_text, ids)
+
+    async def _generate(
+        self, adm: Admission, prompt: _Prompt, sampling: Sampling, params: dict[str, Any]
+    ) -> list[Choice]:
+        """Generate and record all choices, or settle the admission and raise."""
+        loop = asyncio.get_running_loop()
+        extra_ids, _ = single_token_stops(self.tokenizer, sampling.stop)
+        stop_ids = self.config.stop_ids | extra_ids
+        job = partial(self._one, prompt, adm, params, stop_ids, sampling.stop)
+        futures = [loop.run_in_executor(self.pool, job) for _ in range(sampling.n)]
+        try:
+            done, pending = await asyncio.wait(futures, return_when=asyncio.FIRST_EXCEPTION)
+            aborted = adm.stop.is_set()  # by a close or a disconnect, before any sibling stop
+            if pending:  # one choice failed: the others are useless
+                adm.stop.set()
+                await asyncio.wait(pending)
+        except BaseException:  # cancelled with the client gone: abort and release
+            adm.stop.set()
+            self.table.settle(adm)
+            raise
+        first = next((f.exception() for f in futures if f in done and f.exception()), None)
+        if first is None:
+            results = [f.result() for f in futures]
+            if self.table.record(adm, [r[0] for r in results], [r[2] for r in results]):
+                return [r[1] for r in results]
+            aborted = True
+        else:
+            self._settle_failed(adm, first, aborted)
+        status = self.table.status(adm.session)
+        if status is not None:
+            raise status
+        raise _ClientGone
+
+    def _settle_failed(self, adm: Admission, exc: BaseException, aborted: bool) -> None:
+        if aborted or isinstance(exc, RequestError):
+            self.table.settle(adm)
+            if isinstance(exc, RequestError):
+                raise exc
+            return
+        if isinstance(exc, ValueError):  # the engine refused this input
+            self.table.settle(adm)
+            raise RequestError(
+                400, f"the engine refused the request: {exc}", code="engine_rejected"
+            ) from None
+        text = f"engine failure: {type(exc).__name__}: {exc}"
+        log.error("%s for %s", text, adm.session.key, exc_info=exc)
+        self.table.settle(adm, error=text)
+        raise RequestError(500, text, code="engine_error", kind="server_error") from None
+
+    # ------------------------------------------------------------------ endpoints
+
+    async def serve(self, request: Request, kind_name: str) -> Response:
+        kind = self.kinds[kind_name]
+        body = _Body(request)
+        session = None
+        try:
+            session = self.table.authenticate(request.headers.get("authorization"))
+            req = kind.parse(_parse_json(await body.read(self.config.max_body_bytes)))
+            params = self._params(req.sampling)
+            loop = asyncio.get_running_loop()
+            history = self.table.history(session)
+            prompt = await loop.run_in_executor(self.pool, kind.prompt, req, history)
+            adm = self.table.admit(
+                session,
+                n=req.sampling.n,
+                requested=req.sampling.max_tokens,
+                prompt_len=len(prompt.ids),
+            )
+        except RequestError as err:
+            ok = body.done or await body.drain(4 * self.config.max_body_bytes + (1 << 20))
+            return _error(err, close=not ok)
+        except _ClientGone:
+            return Response(status_code=499)
+        except Exception as exc:  # a gateway bug: the session's outcome is not the agent's
+            if session is not None:
+                self.table.fail(session, f"gateway failure: {type(exc).__name__}: {exc}")
+            raise
+        rid = kind.id_prefix + secrets.token_hex(12)
+        # Generation runs as its own task, watched for the client's disconnect, so the
+        # admission is settled even when a streaming response is never iterated.
+        task = asyncio.ensure_future(self._watched(request, adm, prompt, req.sampling, params))
+        self._tasks.add(task)
+        task.add_done_callback(self._reap)
+        if req.sampling.stream:
+            return StreamingResponse(
+                self._stream(kind, rid, adm, task, len(prompt.ids), req.sampling),
+                media_type="text/event-stream",
+                headers={"cache-control": "no-cache"},
+            )
+        try:
+            choices = await asyncio.shield(task)
+        except RequestError as err:
+            return _error(err)
+        except _ClientGone:
+            return Response(status_code=499)
+        except BaseException:
+            adm.stop.set()
+            raise
+        try:
+            out = kind.response(
+                rid, self.config.model_name, len(prompt.ids), choices, req.sampling.logprobs
+            )
+        except Exception as exc:  # recorded, but the agent never got it
+            self.table.fail(adm.session, f"gateway failure: {type(exc).__name__}: {exc}")
+            raise
+        return JSONResponse(out)
+
+    def _reap(self, task: asyncio.Future[list[Choice]]) -> None:
+        self._tasks.discard(task)
+        if not task.cancelled():
+            task.exception()  # retrieved here: the awaiting response may be gone
+
+    async def _watched(
+        self,
+        request: Request,
+        adm: Admission,
+        prompt: _Prompt,
+        sampling: Sampling,
+        params: dict[str, Any],
+    ) -> list[Choice]:
+        watcher = asyncio.ensure_future(_watch_disconnect(request, adm.stop))
+        try:
+            return await self._generate(adm, prompt, sampling, params)
+        finally:
+            watcher.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await watcher
+
+    async def _stream(
+        self,
+        kind: _Kind,
+        rid: str,
+        adm: Admission,
+        task: asyncio.Future[list[Choice]],
+        prompt_tokens: int,
+        sampling: Sampling,
+    ) -> AsyncIterator[str]:
+        model = self.config.model_name
+        try:
+            yield _sse(kind.opening(rid, model, sampling.n))
+            choices = await asyncio.shield(task)
+        except RequestError as err:
+            yield _sse(wire.error_body(err))
+            return
+        except _ClientGone:
+            return
+        except BaseException:  # the response was cancelled: nobody will read the call
+            adm.stop.set()
+            raise
+        for chunk in kind.stream(
+            rid,
+            model,
+            prompt_tokens,
+            choices,
+            logprobs=sampling.logprobs,
+            include_usage=sampling.include_usage,
+        ):
+            yield _sse(chunk)
+        yield "data: [DONE]\n\n"
+
+    async def models(self, request: Request, model_id: str | None = None) -> Response:
+        try:
+            self.table.authenticate(request.headers.get("authorization"))
+        except RequestError as err:
+            return _error(err)
+        card = {
+            "id": self.config.model_name,
+            "object": "model",
+            "created": 0,
+            "owned_by": "dew",
+            "version": int(self.engine.version),
+        }
+        if model_id is None:
+            return JSONResponse({"object": "list", "data": [card]})
+        if model_id != self.config.model_name:
+            return _error(
+                RequestError(
+                    404,
+                    f"model {model_id!r} is not served here; it serves {self.config.model_name!r}",
+                    param="model",
+                    code="model_not_found",
+                    kind="not_found_error",
+                )
+            )
+        return JSONResponse(card)
+
+
+def build_app(
+    engine: Engine, tokenizer: Any, table: SessionTable, config: GatewayConfig, pool: Executor
+) -> FastAPI:
+    service = _Service(engine, tokenizer, table, config, pool)
+    app = FastAPI(docs_url=None, redoc_url=None, openapi_url=None)
+
+    async def guarded(request: Request, kind: str) -> Response:
+        try:
+            return await service.serve(request, kind)
+        except Exception as exc:  # a gateway bug: answer 500 and say so, never crash
+            log.exception("gateway failure on %s", request.url.path)
+            return _error(
+                RequestError(
+                    500,
+                    f"gateway failure: {type(exc).__name__}: {exc}",
+                    code="gateway_error",
+                    kind="server_error",
+                )
+            )
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        return await guarded(request, "chat")
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await guarded(request, "completion")
+
+    @app.get("/v1/models")
+    async def list_models(request: Request) -> Response:
+        return await service.models(request)
+
+    @app.get("/v1/models/{model_id:path}")
+    async def get_model(request: Request, model_id: str) -> Response:
+        return await service.models(request, model_id)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException) -> Response:
+        return _error(
+            RequestError(
+                exc.status_code,
+                str(exc.detail),
+                code="not_found" if exc.status_code == 404 else None,
+            )
+        )
+
+    return app

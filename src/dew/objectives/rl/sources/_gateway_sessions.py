@@ -1,0 +1,317 @@
+"""The recording gateway's session table: who may call, what they may spend, what was recorded.
+
+One session per (task, rollout key) attempt. Its bearer token is 32 random bytes from
+:mod:`secrets`; the table stores only the token's SHA-256 digest and finds a session
+by a dict lookup on the digest of the presented token, so neither the stored secret
+nor the time a lookup takes depends on how much of a guess was right.
+
+Invariants (all state is guarded by one lock; every operation holds it briefly and
+never while generating):
+
+* A request is *admitted* before it generates: the session is open, its turn count
+  (requests, counted at admission) is under ``max_turns``, and ``n x max_tokens`` are
+  reserved from the session's token budget, clamped to what is left and to the
+  context. Every admission is settled exactly once, by :meth:`SessionTable.record`
+  or :meth:`SessionTable.settle`.
+* A request's choices are recorded together or not at all, and only while the
+  session is open and the request was not aborted. Calls are kept in the order they
+  were recorded. Nothing is ever recorded for a request refused with 401, 409 or 410.
+* Closing, aborting or superseding a session sets the stop event of every request
+  it has in flight, so the engine aborts them; their results are then dropped.
+* Opening a session for a (group, sample) supersedes every earlier session of that
+  pair: their tokens answer 409 from then on, whatever attempt number was used.
+* A session whose recording was collected stays as a tombstone (its token answers
+  409 or 410) until ``retain`` newer ones were collected; then its token is unknown (401).
+"""
+
+from __future__ import annotations
+
+import collections
+import hashlib
+import secrets
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from dew.objectives.rl.sessions import Call, RolloutKey, Task
+from dew.objectives.rl.sources._gateway_protocol import RequestError
+from dew.objectives.rl.sources._gateway_text import Prefix
+
+__all__ = ["Admission", "Limits", "Recording", "SessionTable"]
+
+
+@dataclass(frozen=True)
+class Recording:
+    """What one session recorded.
+
+    ``calls`` in recording order. ``truncation`` is the first session limit that cut
+    the agent short (``"turns"``, ``"length"`` for the token budget, ``"context"``),
+    ``error`` the first engine failure met while serving it (an infrastructure
+    error, not the agent's). ``turns`` counts admitted requests, ``tokens`` the
+    recorded completion tokens.
+    """
+
+    key: RolloutKey
+    task: Task
+    calls: tuple[Call, ...]
+    truncation: str | None
+    error: str | None
+    turns: int
+    tokens: int
+
+
+@dataclass(frozen=True)
+class Limits:
+    """Per-session caps. ``None`` means no cap (``max_tokens_per_call`` always applies)."""
+
+    max_turns: int | None
+    max_tokens_per_session: int | None
+    max_tokens_per_call: int
+    max_context: int | None
+
+    def __post_init__(self) -> None:
+        for name in ("max_turns", "max_tokens_per_session", "max_context"):
+            v = getattr(self, name)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+                raise ValueError(f"{name} must be a positive integer or None, got {v!r}")
+        v = self.max_tokens_per_call
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ValueError(f"max_tokens_per_call must be a positive integer, got {v!r}")
+
+
+@dataclass(eq=False)
+class _Session:
+    key: RolloutKey
+    task: Task
+    digest: bytes
+    open: bool = True
+    superseded: bool = False
+    collected: bool = False
+    calls: list[Call] = field(default_factory=list)
+    history: collections.deque[Prefix] = field(default_factory=collections.deque)
+    inflight: set[threading.Event] = field(default_factory=set)
+    turns: int = 0
+    tokens: int = 0
+    reserved: int = 0
+    truncation: str | None = None
+    error: str | None = None
+
+
+@dataclass(frozen=True, eq=False)
+class Admission:
+    """One admitted request: its engine budget, abort event and reservation."""
+
+    session: _Session
+    max_tokens: int
+    cause: str | None  # the session limit that clamped max_tokens, if any
+    stop: threading.Event
+    reserved: int
+    history: tuple[Prefix, ...]
+
+
+def _digest(token: str) -> bytes:
+    return hashlib.sha256(token.encode("utf-8", "surrogatepass")).digest()
+
+
+class SessionTable:
+    def __init__(self, limits: Limits, *, retain: int = 65536, history: int = 8) -> None:
+        if retain < 0:
+            raise ValueError(f"retain must be >= 0, got {retain}")
+        if history < 1:
+            raise ValueError(f"history must be >= 1, got {history}")
+        self.limits = limits
+        self._retain = retain
+        self._history = history
+        self._lock = threading.Lock()
+        self._by_digest: dict[bytes, _Session] = {}
+        self._latest: dict[tuple[int, int], _Session] = {}
+        self._tombstones: collections.deque[bytes] = collections.deque()
+        self._closed = False
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def open(self, task: Task, key: RolloutKey) -> str:
+        token = "dew-" + secrets.token_urlsafe(32)
+        digest = _digest(token)
+        session = _Session(key=key, task=task, digest=digest)
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("the gateway is closed; no session can be opened")
+            previous = self._latest.get((key.group, key.sample))
+            if previous is not None:
+                previous.superseded = True
+                self._stop(previous)
+            self._latest[(key.group, key.sample)] = session
+            self._by_digest[digest] = session
+        return token
+
+    def abort(self, token: str) -> None:
+        """Refuse the session's further requests and abort those in flight; keep its calls."""
+        with self._lock:
+            self._stop(self._find(token))
+
+    def close(self, token: str) -> Recording:
+        """Close the session and hand over its recording (once)."""
+        with self._lock:
+            s = self._find(token)
+            if s.collected:
+                raise ValueError(f"{s.key}: the session's recording was already collected")
+            self._stop(s)
+            s.collected = True
+            out = Recording(s.key, s.task, tuple(s.calls), s.truncation, s.error, s.turns, s.tokens)
+            s.calls = []
+            s.history.clear()
+            self._tombstones.append(s.digest)
+            while len(self._tombstones) > self._retain:
+                self._forget(self._tombstones.popleft())
+        return out
+
+    def close_all(self) -> None:
+        with self._lock:
+            self._closed = True
+            for s in self._by_digest.values():
+                self._stop(s)
+
+    def _find(self, token: str) -> _Session:
+        s = self._by_digest.get(_digest(token)) if isinstance(token, str) else None
+        if s is None:
+            raise ValueError("unknown session token")
+        return s
+
+    def _stop(self, s: _Session) -> None:
+        s.open = False
+        for event in s.inflight:
+            event.set()
+
+    def _forget(self, digest: bytes) -> None:
+        s = self._by_digest.pop(digest, None)
+        if s is not None and self._latest.get((s.key.group, s.key.sample)) is s:
+            del self._latest[(s.key.group, s.key.sample)]
+
+    # ------------------------------------------------------------------ requests
+
+    def authenticate(self, authorization: str | None) -> _Session:
+        """The open session an ``Authorization`` header names, or a 401/409/410."""
+        scheme, _, token = (authorization or "").partition(" ")
+        token = token.strip()
+        if scheme.lower() != "bearer" or not token:
+            raise RequestError(
+                401,
+                "missing bearer token: send 'Authorization: Bearer <key>'",
+                code="invalid_api_key",
+                kind="authentication_error",
+            )
+        with self._lock:
+            s = self._by_digest.get(_digest(token))
+            if s is None:
+                raise RequestError(
+                    401, "invalid API key", code="invalid_api_key", kind="authentication_error"
+                )
+            self._check_open(s)
+        return s
+
+    @staticmethod
+    def _check_open(s: _Session) -> None:
+        if s.superseded:
+            raise RequestError(
+                409,
+                f"{s.key} was superseded by a newer attempt of this sample",
+                code="session_superseded",
+                kind="conflict_error",
+            )
+        if not s.open:
+            raise RequestError(410, f"{s.key} is closed", code="session_closed", kind="gone_error")
+
+    def history(self, s: _Session) -> tuple[Prefix, ...]:
+        with self._lock:
+            return tuple(s.history)
+
+    def admit(self, s: _Session, *, n: int, requested: int | None, prompt_len: int) -> Admission:
+        """Reserve the request's turn and tokens, or refuse it with a 4xx."""
+        lim = self.limits
+        with self._lock:
+            self._check_open(s)
+            if lim.max_turns is not None and s.turns >= lim.max_turns:
+                s.truncation = s.truncation or "turns"
+                raise RequestError(
+                    400,
+                    f"{s.key} reached its turn limit (max_turns={lim.max_turns})",
+                    code="turn_limit_exceeded",
+                )
+            budget = min(requested or lim.max_tokens_per_call, lim.max_tokens_per_call)
+            cause = None
+            if lim.max_context is not None:
+                room = lim.max_context - prompt_len
+                if room < 1:
+                    s.truncation = s.truncation or "context"
+                    raise RequestError(
+                        400,
+                        f"the prompt has {prompt_len} tokens; the context holds "
+                        f"{lim.max_context} (max_context)",
+                        param="messages",
+                        code="context_length_exceeded",
+                    )
+                if room < budget:
+                    budget, cause = room, "context"
+            if lim.max_tokens_per_session is not None:
+                left = (lim.max_tokens_per_session - s.tokens - s.reserved) // n
+                if left < 1:
+                    s.truncation = s.truncation or "length"
+                    raise RequestError(
+                        400,
+                        f"{s.key} spent its token budget "
+                        f"(max_tokens_per_session={lim.max_tokens_per_session})",
+                        code="token_limit_exceeded",
+                    )
+                if left < budget:
+                    budget, cause = left, "length"
+            stop = threading.Event()
+            s.turns += 1
+            s.reserved += n * budget
+            s.inflight.add(stop)
+            return Admission(s, budget, cause, stop, n * budget, tuple(s.history))
+
+    def _release(self, a: Admission) -> None:
+        a.session.reserved -= a.reserved
+        a.session.inflight.discard(a.stop)
+
+    def record(self, a: Admission, calls: Sequence[Call], prefixes: Sequence[Prefix]) -> bool:
+        """Record all of a request's calls, unless its session closed or it was aborted."""
+        with self._lock:
+            self._release(a)
+            s = a.session
+            if not s.open or a.stop.is_set():
+                return False
+            s.calls.extend(calls)
+            s.tokens += sum(len(c.completion) for c in calls)
+            s.history.extend(prefixes)
+            while len(s.history) > self._history:
+                s.history.popleft()
+            cut = any(
+                c.finish_reason == "length" and len(c.completion) >= a.max_tokens for c in calls
+            )
+            if a.cause is not None and cut:
+                s.truncation = s.truncation or a.cause
+            return True
+
+    def settle(self, a: Admission, *, error: str | None = None) -> None:
+        """Release a request that records nothing; ``error`` marks an engine failure."""
+        with self._lock:
+            self._release(a)
+            if error is not None and a.session.error is None:
+                a.session.error = error
+
+    def fail(self, s: _Session, error: str) -> None:
+        """Mark the session as failed by the gateway (kept: the first such error)."""
+        with self._lock:
+            if s.error is None:
+                s.error = error
+
+    def status(self, s: _Session) -> RequestError | None:
+        """Why the session no longer serves (its 409/410), or None while open."""
+        with self._lock:
+            try:
+                self._check_open(s)
+            except RequestError as err:
+                return err
+            return None

@@ -1,0 +1,239 @@
+"""EnvironmentSource: multi-turn rollouts against an in-process environment.
+
+The environment protocol (:class:`Environment`) is three methods, called from one
+worker thread per rollout:
+
+* ``reset(task)`` returns the opening: a string (one user message) or a list of chat
+  messages (``{"role": ..., "content": ...}``);
+* ``step(reply)`` gets the model's reply text (the completion without its stop token)
+  and returns the next observation in the same forms, or ``None`` when the episode is
+  over;
+* ``score()`` returns the reward: a float or a mapping of named parts (summed).
+
+An optional ``close()`` is called once the rollout ends, whatever happened.
+
+Turn by turn, the prompt grows token-exactly: the next prompt is the previous prompt,
+the completion, and the chat-template tokens of only the new messages (see
+:mod:`dew.objectives.rl.sources._common`), so a rollout's calls merge into one chain.
+
+Outcomes:
+
+* ``step`` returns ``None``: ``COMPLETED``, scored;
+* the environment raises :class:`AgentError` (the model's action is invalid):
+  ``AGENT_ERROR``, scored, ``error`` holds the message;
+* a limit is hit: ``TRUNCATED``, scored, with ``truncation`` ``"turns"`` (``max_turns``
+  calls made and the episode goes on), ``"context"`` (the next prompt plus one token
+  would not fit ``max_context``, or the reply was cut short by it) or ``"wall_clock"``
+  (``wall_clock`` seconds since the rollout began, checked between steps);
+* any other exception from ``reset``, ``step``, ``score`` or ``close`` (or an opening
+  prompt that does not fit ``max_context``): ``INFRA_ERROR`` with the error text and no
+  reward;
+* the session is cancelled: ``CANCELLED``. ``stop`` is checked between steps and handed
+  to ``generate``, which aborts within one engine iteration; a step in progress is not
+  interrupted, so environments bound their own step time.
+
+A reply cut by ``max_tokens`` (not by the context) is handed to the environment like any
+other: it judges what an unfinished reply is worth.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Collection, Mapping, Sequence
+from typing import Any, Protocol, runtime_checkable
+
+from dew.objectives.rl.sessions import Call, Rollout, RolloutKey, Status, Task, ThreadedSource
+from dew.objectives.rl.sources._common import ChatTokens, error_text, parse_reward
+from dew.objectives.rl.sources.prompts import Generator, check_sampling, default_stop_ids
+from dew.serving import Aborted
+
+__all__ = ["AgentError", "Environment", "EnvironmentSource", "Observation"]
+
+Observation = str | Sequence[Mapping[str, Any]]
+
+
+class AgentError(Exception):
+    """Raised by an environment when the model's action is invalid (the agent's fault).
+
+    The rollout ends as ``AGENT_ERROR`` and is still scored.
+    """
+
+
+@runtime_checkable
+class Environment(Protocol):
+    """An in-process multi-turn environment (see the module docstring)."""
+
+    def reset(self, task: Task) -> Observation: ...
+
+    def step(self, reply: str) -> Observation | None: ...
+
+    def score(self) -> float | Mapping[str, float]: ...
+
+
+def _messages(obs: Observation, where: str) -> list[Mapping[str, Any]]:
+    if isinstance(obs, str):
+        return [{"role": "user", "content": obs}]
+    if isinstance(obs, Sequence) and obs and all(isinstance(m, Mapping) for m in obs):
+        return list(obs)
+    raise TypeError(f"{where} returned {obs!r}; expected a string or a list of chat messages")
+
+
+class _Outcome(Exception):
+    """Internal: ends the episode loop with a status."""
+
+    def __init__(
+        self, status: Status, truncation: str | None = None, error: str | None = None
+    ) -> None:
+        super().__init__(status.value)
+        self.status, self.truncation, self.error = status, truncation, error
+
+
+class EnvironmentSource(ThreadedSource):
+    """Multi-turn rollouts: a fresh ``make_env()`` environment per rollout."""
+
+    def __init__(
+        self,
+        server: Generator,
+        make_env: Callable[[], Environment],
+        *,
+        tokenizer: Any,
+        max_turns: int,
+        max_context: int,
+        wall_clock: float | None = None,
+        max_tokens: int,
+        temperature: float = 1.0,
+        top_k: int | None = None,
+        top_p: float | None = None,
+        stop_ids: Collection[int] | None = None,
+        workers: int = 8,
+    ) -> None:
+        if not callable(make_env):
+            raise ValueError("make_env must be callable with no arguments")
+        if isinstance(max_turns, bool) or not isinstance(max_turns, int) or max_turns < 1:
+            raise ValueError(f"max_turns must be an int >= 1, got {max_turns!r}")
+        if isinstance(max_context, bool) or not isinstance(max_context, int) or max_context < 2:
+            raise ValueError(f"max_context must be an int >= 2, got {max_context!r}")
+        server_max = getattr(server, "max_len", None)
+        if server_max is not None and max_context > server_max:
+            raise ValueError(f"max_context={max_context} exceeds the engine's max_len={server_max}")
+        if wall_clock is not None and not wall_clock > 0:
+            raise ValueError(f"wall_clock must be > 0 seconds or None, got {wall_clock!r}")
+        check_sampling(max_tokens, temperature, top_k, top_p)
+        super().__init__(workers=workers)
+        self.server = server
+        self.make_env = make_env
+        self.tokenizer = tokenizer
+        self.chat = ChatTokens(tokenizer)
+        self.max_turns = max_turns
+        self.max_context = max_context
+        self.wall_clock = wall_clock
+        self.max_tokens = max_tokens
+        self.temperature = temperature
+        self.top_k = top_k
+        self.top_p = top_p
+        self.stop_ids = (
+            default_stop_ids(server, tokenizer) if stop_ids is None else [int(t) for t in stop_ids]
+        )
+
+    def run(self, task: Task, key: RolloutKey, stop: threading.Event) -> Rollout:
+        calls: list[Call] = []
+        env: Environment | None = None
+        try:
+            env = self.make_env()
+            outcome = self._episode(env, task, stop, calls)
+        except _Outcome as out:
+            outcome = out
+        except Exception as exc:  # the environment broke: recorded, never a reward
+            outcome = _Outcome(Status.INFRA_ERROR, error=error_text(exc))
+        reward: float | None = None
+        parts: dict[str, float] = {}
+        if env is not None and outcome.status in (
+            Status.COMPLETED,
+            Status.AGENT_ERROR,
+            Status.TRUNCATED,
+        ):
+            try:
+                reward, parts = parse_reward(env.score())
+            except Exception as exc:
+                outcome = _Outcome(Status.INFRA_ERROR, error=f"score failed: {error_text(exc)}")
+        closer = getattr(env, "close", None)
+        if callable(closer):
+            try:
+                closer()
+            except Exception as exc:
+                outcome = _Outcome(Status.INFRA_ERROR, error=f"close failed: {error_text(exc)}")
+                reward, parts = None, {}
+        if outcome.status is Status.INFRA_ERROR:
+            reward, parts = None, {}
+        return Rollout(
+            key=key,
+            task=task,
+            status=outcome.status,
+            calls=tuple(calls),
+            reward=reward,
+            components=parts,
+            truncation=outcome.truncation,
+            error=outcome.error,
+        )
+
+    def _episode(
+        self, env: Environment, task: Task, stop: threading.Event, calls: list[Call]
+    ) -> _Outcome:
+        deadline = None if self.wall_clock is None else time.monotonic() + self.wall_clock
+        prompt = self.chat.first(_messages(env.reset(task), "reset"))
+        while True:
+            self._between_steps(stop, deadline, calls)
+            room = self.max_context - len(prompt)
+            if room < 1:
+                if not calls:
+                    raise ValueError(
+                        f"the opening prompt has {len(prompt)} tokens; "
+                        f"max_context={self.max_context} leaves no room to reply"
+                    )
+                raise _Outcome(Status.TRUNCATED, "context")
+            budget = min(self.max_tokens, room)
+            try:
+                call = self.server.generate(
+                    prompt,
+                    max_tokens=budget,
+                    temperature=self.temperature,
+                    top_k=self.top_k,
+                    top_p=self.top_p,
+                    stop_ids=self.stop_ids,
+                    stop=stop,
+                )
+            except Aborted:
+                raise _Outcome(Status.CANCELLED, error="cancelled") from None
+            calls.append(call)
+            if call.finish_reason == "length" and budget < self.max_tokens:
+                raise _Outcome(Status.TRUNCATED, "context")
+            completion = [int(t) for t in call.completion]
+            stopped = call.finish_reason == "stop"
+            reply = self.tokenizer.decode(
+                completion[:-1] if stopped else completion, skip_special_tokens=False
+            )
+            self._between_steps(stop, deadline, calls)
+            try:
+                obs = env.step(reply)
+            except AgentError as exc:
+                raise _Outcome(Status.AGENT_ERROR, error=str(exc) or type(exc).__name__) from None
+            if obs is None:
+                return _Outcome(Status.COMPLETED)
+            if len(calls) >= self.max_turns:
+                raise _Outcome(Status.TRUNCATED, "turns")
+            text = self.tokenizer.decode(completion, skip_special_tokens=False)
+            prompt = (
+                [int(t) for t in call.prompt]
+                + completion
+                + self.chat.after_reply(text, stopped, _messages(obs, "step"))
+            )
+
+    @staticmethod
+    def _between_steps(stop: threading.Event, deadline: float | None, calls: list[Call]) -> None:
+        if stop.is_set():
+            raise _Outcome(Status.CANCELLED, error="cancelled")
+        if deadline is not None and time.monotonic() >= deadline:
+            if not calls:
+                raise ValueError("wall_clock ran out before the first model call")
+            raise _Outcome(Status.TRUNCATED, "wall_clock")

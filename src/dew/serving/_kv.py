@@ -1,0 +1,219 @@
+"""Per-slot key/value buffers and the model-call adapter of the serving engine.
+
+Layout: for each attention layer, keys and values live in ``[slots, kv_heads, capacity,
+head_dim]`` buffers. A request owns one slot; its tokens occupy columns ``0 .. length-1``
+of that slot, so a token's column is also its position. Active requests always hold the
+slots ``0 .. n-1`` (a leaving request's hole is filled by moving the last slot down), so
+a decode step reads plain views ``[:n, :, :width]`` of the buffers without gathering.
+
+The buffers are handed to a Hugging Face model as its cache object: its attention
+layers call ``update(keys, values, layer_idx, ...)`` with the new tokens' projections,
+and get back the keys and values to attend over. Masks are built here as ready 4-D
+tensors, which the models' mask helpers pass through untouched, so nothing in the model
+needs to know how the cache is laid out.
+
+Two modes, set before each forward:
+
+* prefill: ``k`` new requests, left-padded to a common prompt width ``T``. The model
+  attends over the new tokens only; ``update`` copies each row's real tokens into
+  columns ``0 .. len-1`` of its slot.
+* decode: one new token per active slot, written at the slot's own column; attention
+  covers columns ``0 .. width-1``, with each row masked past its own column.
+
+Invariant kept by the caller: every column a mask lets a row see holds finite values
+(buffers start zeroed; padded prefill rows attend to themselves), so masked garbage can
+never turn into NaN through ``0 * nan``.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+
+__all__ = ["MASKS", "ModelCall", "SlotCache"]
+
+
+def _bool_mask(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return allowed
+
+
+def _additive_mask(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    zero = torch.zeros((), dtype=dtype, device=allowed.device)
+    return torch.where(allowed, zero, torch.finfo(dtype).min)
+
+
+# How each supported attention implementation wants a 4-D mask: sdpa takes booleans
+# (True = attend); eager adds the mask to the scores.
+MASKS: Mapping[str, Callable[[torch.Tensor, torch.dtype], torch.Tensor]] = {
+    "sdpa": _bool_mask,
+    "eager": _additive_mask,
+}
+
+
+class SlotCache:
+    """Growable per-slot KV buffers (see the module docstring for the layout)."""
+
+    def __init__(self, layers: int, max_slots: int, max_len: int, device: torch.device) -> None:
+        self.layers = layers
+        self.max_slots = max_slots
+        self.max_len = max_len
+        self.device = device
+        self.keys: list[torch.Tensor] = []  # per layer [slots, kv_heads, capacity, head_dim]
+        self.values: list[torch.Tensor] = []
+        self.slot_capacity = 0
+        self.capacity = 0
+        self._want_slots = 0
+        self._want_capacity = 0
+        # Mode of the next forward (see module docstring).
+        self._prefill: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+        self._decode: tuple[int, torch.Tensor, torch.Tensor, int] | None = None
+        self._slot_ids = torch.arange(max_slots, device=device)  # [max_slots]
+
+    # ------------------------------------------------------------------ sizing
+
+    def reserve(self, slots: int, columns: int) -> None:
+        """Make room for ``slots`` slots of ``columns`` columns (grows by doubling)."""
+        if slots > max(self.slot_capacity, self._want_slots):
+            self._want_slots = min(self.max_slots, max(slots, 2 * self.slot_capacity, 4))
+        if columns > max(self.capacity, self._want_capacity):
+            self._want_capacity = min(self.max_len, max(columns, 2 * self.capacity, 64))
+        if self.keys and (
+            self._want_slots > self.slot_capacity or self._want_capacity > self.capacity
+        ):
+            self.keys = [self._grown(t) for t in self.keys]
+            self.values = [self._grown(t) for t in self.values]
+            self.slot_capacity = max(self.slot_capacity, self._want_slots)
+            self.capacity = max(self.capacity, self._want_capacity)
+
+    def _grown(self, t: torch.Tensor) -> torch.Tensor:
+        s, h, c, d = t.shape
+        out = torch.zeros(
+            max(s, self._want_slots),
+            h,
+            max(c, self._want_capacity),
+            d,
+            dtype=t.dtype,
+            device=t.device,
+        )
+        out[:s, :, :c] = t
+        return out
+
+    def _allocate(self, like: torch.Tensor) -> None:
+        # First forward: the model tells us kv heads, head dim and dtype.
+        _, heads, _, dim = like.shape
+        self.slot_capacity = max(self.slot_capacity, self._want_slots)
+        self.capacity = max(self.capacity, self._want_capacity)
+        shape = (self.slot_capacity, heads, self.capacity, dim)
+        self.keys = [
+            torch.zeros(shape, dtype=like.dtype, device=self.device) for _ in range(self.layers)
+        ]
+        self.values = [
+            torch.zeros(shape, dtype=like.dtype, device=self.device) for _ in range(self.layers)
+        ]
+
+    def clear(self) -> None:
+        """Drop all buffers (after a failed step their contents are unknown)."""
+        self.keys, self.values = [], []
+        self.slot_capacity = self.capacity = 0
+        self._prefill = self._decode = None
+
+    # ------------------------------------------------------------------ modes
+
+    def set_prefill(self, slots: list[int], lengths: list[int], width: int) -> None:
+        """Next forward prefills ``len(lengths)`` sequences, left-padded to ``width``,
+        into ``slots``."""
+        k = len(lengths)
+        lens = torch.tensor(lengths, device=self.device)  # [k]
+        # Flattened (slot, column) <- (row, padded column) pairs of every real token.
+        rows = torch.repeat_interleave(torch.arange(k, device=self.device), lens)  # [N]
+        starts = torch.cumsum(lens, 0) - lens  # [k]
+        cols = torch.arange(int(lens.sum()), device=self.device) - starts[rows]  # [N]
+        src_cols = cols + (width - lens)[rows]
+        slot_of_row = torch.tensor(slots, device=self.device)  # [k]
+        self._prefill = (slot_of_row[rows], cols, rows, src_cols)
+        self._decode = None
+
+    def set_decode(self, n: int, columns: torch.Tensor, width: int) -> None:
+        """Next forward writes one token per slot ``0 .. n-1`` at ``columns`` [n] and
+        attends over ``width`` columns."""
+        self._decode = (n, self._slot_ids[:n], columns, width)
+        self._prefill = None
+
+    def move(self, src: list[int], dst: list[int], width: int) -> None:
+        """Copy slots ``src`` onto slots ``dst`` (first ``width`` columns)."""
+        if not src or not self.keys:
+            return
+        s = torch.tensor(src, device=self.device)
+        d = torch.tensor(dst, device=self.device)
+        for t in (*self.keys, *self.values):
+            t[d, :, :width] = t[s, :, :width]
+
+    # ------------------------------------------------------------------ model protocol
+
+    def update(
+        self, keys: torch.Tensor, values: torch.Tensor, layer_idx: int, *args: Any, **kwargs: Any
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Called by each attention layer with its new keys/values ``[b, kv_heads, q, dim]``."""
+        if not self.keys:
+            self._allocate(keys)
+        kbuf, vbuf = self.keys[layer_idx], self.values[layer_idx]
+        if self._prefill is not None:
+            slots, cols, rows, src_cols = self._prefill
+            kbuf[slots, :, cols] = keys[rows, :, src_cols]  # [N, kv_heads, dim]
+            vbuf[slots, :, cols] = values[rows, :, src_cols]
+            return keys, values
+        if self._decode is None:
+            raise RuntimeError("SlotCache.update called without a mode")
+        n, slot_ids, columns, width = self._decode
+        kbuf[slot_ids, :, columns] = keys[:, :, 0]
+        vbuf[slot_ids, :, columns] = values[:, :, 0]
+        return kbuf[:n, :, :width], vbuf[:n, :, :width]
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return 0  # positions are always passed explicitly
+
+
+class ModelCall:
+    """Calls a causal LM with our cache and mask under whatever keyword names its
+    ``transformers`` version uses; returns float logits of the last position ``[b, V]``."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        attn = getattr(model.config, "_attn_implementation", None) or "eager"
+        if attn not in MASKS:
+            raise ValueError(
+                f"model attention implementation {attn!r} is not supported; use one of "
+                f"{sorted(MASKS)} (set attn_implementation when loading the model)"
+            )
+        layer_types = getattr(model.config, "layer_types", None) or ()
+        if any(t != "full_attention" for t in layer_types):
+            raise ValueError(
+                f"model has non-full attention layers {sorted(set(layer_types))}; the engine "
+                "supports full causal attention only"
+            )
+        params = inspect.signature(model.forward).parameters
+        self.cache_kw = "cache" if "cache" in params else "past_key_values"
+        self.keep_kw = next(
+            (k for k in ("logits_to_keep", "num_logits_to_keep") if k in params), None
+        )
+        self.mask = MASKS[attn]
+        self.model = model
+        self.dtype = next(model.parameters()).dtype
+
+    def __call__(
+        self, ids: torch.Tensor, positions: torch.Tensor, allowed: torch.Tensor, cache: SlotCache
+    ) -> torch.Tensor:
+        # ids, positions [b, q]; allowed [b, 1, q, kv] bool
+        kwargs: dict[str, Any] = {
+            "input_ids": ids,
+            "position_ids": positions,
+            "attention_mask": self.mask(allowed, self.dtype),
+            self.cache_kw: cache,
+            "use_cache": True,
+        }
+        if self.keep_kw is not None:
+            kwargs[self.keep_kw] = 1
+        logits = self.model(**kwargs).logits  # [b, q or 1, V]
+        return logits[:, -1, :].float()

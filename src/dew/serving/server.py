@@ -1,0 +1,493 @@
+"""RolloutServer: an in-process continuous-batching engine around a Hugging Face causal LM.
+
+Any number of threads call :meth:`RolloutServer.generate`; one engine thread, owned by
+the server, serves them all. Each engine iteration:
+
+1. applies queued weight loads (so a load lands between two decode steps, never inside
+   one), drops requests whose ``stop`` event is set, and admits pending requests into
+   free slots (at most ``max_batch`` active). An idle engine woken by a request first
+   lets a burst of concurrent calls land (until 0.5 ms pass without a new one, 5 ms at
+   most), so they are prefilled as one batch;
+2. after a load, recomputes the running requests' keys/values under the new weights, so
+   every token sampled after a push comes from the new weights alone; then prefills the
+   admitted requests (left-padded, grouped by length) and samples their first token;
+3. runs one decode step for every active request together and samples one token each;
+4. finishes requests that hit a stop token or ``max_tokens``; their slots are freed at
+   once, so requests join and leave at every iteration.
+
+Keys and values live in per-slot buffers (:mod:`dew.serving._kv`), so a step costs one
+forward over the active batch, with no cache concatenation.
+
+Invariants:
+
+* The engine thread is the only one that touches the model copy, the KV buffers and the
+  active table. Other threads talk to it through the pending and load queues, guarded by
+  one condition variable; ``close()`` joins the thread.
+* Every request accepted by ``generate`` resolves exactly once: with a :class:`Call`,
+  with :class:`Aborted` (its ``stop`` event was seen set at an iteration boundary), or
+  with ``RuntimeError`` (the server was closed, or a model step failed). Its caller is
+  blocked on that resolution only.
+* A resolved request holds no slot and appears in no table (``stats()`` shows zeros once
+  everything has resolved).
+* ``version`` changes only after the new weights are in place; every active request's
+  recorded version is the minimum over the versions that served any of its tokens.
+* Invalid input is refused with ``ValueError`` in the caller's thread, before it reaches
+  the engine, so it cannot disturb anyone else's request.
+"""
+
+from __future__ import annotations
+
+import copy
+import threading
+import time
+from collections import deque
+from collections.abc import Collection, Mapping, Sequence
+
+import torch
+
+from dew.objectives.rl.sessions import Call
+from dew.serving._kv import ModelCall, SlotCache
+from dew.serving._requests import (
+    Load,
+    Request,
+    as_int,
+    check_weights,
+    make_request,
+    prefill_groups,
+)
+from dew.serving._sampling import RowSettings, sample, settings
+
+__all__ = ["Aborted", "RolloutServer"]
+
+# An idle engine woken by a request waits until no new request has arrived for _QUIET
+# seconds (at most _GATHER in all), so a burst of concurrent calls is prefilled together.
+_QUIET = 0.0005
+_GATHER = 0.005
+
+
+class Aborted(Exception):
+    """``generate()`` was stopped by its ``stop`` event before it finished.
+
+    ``tokens`` is how many completion tokens had been generated; ``iteration`` the engine
+    iteration that dropped the request (-1 when it never reached the engine).
+    """
+
+    def __init__(self, message: str, *, tokens: int = 0, iteration: int = -1) -> None:
+        super().__init__(message)
+        self.tokens = tokens
+        self.iteration = iteration
+
+
+class RolloutServer:
+    """Serves one model copy to many threads with continuous batching.
+
+    ``model`` is copied (the caller keeps training its own); ``version`` is the version
+    served until the first :meth:`load`. ``max_batch`` bounds the active requests,
+    ``max_len`` the prompt plus completion length (default: the model's
+    ``max_position_embeddings``). ``seed`` seeds the engine's sampler.
+
+    Greedy requests (``temperature=0``) report log-prob 0.0 per token (the point mass on
+    the argmax), ``temperature=1.0`` in their :class:`Call`, and a one-id support per
+    token, so a trainer renormalizing over the support sees the same distribution.
+
+    Supported models: decoder-only Hugging Face causal LMs with full causal attention
+    through ``sdpa`` or ``eager`` whose attention layers store keys/values through
+    ``cache.update`` (Llama, Qwen2, Mistral without a sliding window, and the like).
+    Anything else is refused at construction with ``ValueError``.
+
+    ``generate``, ``load``, ``close`` and the properties may be called from any thread.
+    KV buffers grow (by doubling) to the widest batch in use and are kept for reuse.
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        *,
+        version: int = 0,
+        max_batch: int = 64,
+        max_len: int | None = None,
+        seed: int = 0,
+    ) -> None:
+        version = as_int(version, "version")
+        if version < 0:
+            raise ValueError(f"version must be >= 0, got {version}")
+        max_batch = as_int(max_batch, "max_batch")
+        if max_batch < 1:
+            raise ValueError(f"max_batch must be >= 1, got {max_batch}")
+        config = model.config
+        if max_len is None:
+            max_len = getattr(config, "max_position_embeddings", None)
+            if max_len is None:
+                raise ValueError(
+                    "max_len is required: the model config has no max_position_embeddings"
+                )
+        max_len = as_int(max_len, "max_len")
+        if max_len < 2:
+            raise ValueError(f"max_len must be >= 2, got {max_len}")
+        self._model = copy.deepcopy(model).eval().requires_grad_(False)
+        self._call = ModelCall(self._model)  # refuses unsupported attention kinds
+        self._targets = self._model.state_dict()  # shares storage with the copy
+        self._vocab = int(config.vocab_size)
+        gen = getattr(self._model, "generation_config", None)
+        eos = getattr(gen, "eos_token_id", None)
+        eos = getattr(config, "eos_token_id", None) if eos is None else eos
+        self._eos = tuple(
+            int(t) for t in ([] if eos is None else [eos] if isinstance(eos, int) else eos)
+        )
+        self._max_batch = max_batch
+        self._max_len = max_len
+        self._device = next(self._model.parameters()).device
+        self._generator = torch.Generator(device=self._device).manual_seed(as_int(seed, "seed"))
+        self._cache = SlotCache(int(config.num_hidden_layers), max_batch, max_len, self._device)
+
+        self._cond = threading.Condition()
+        self._pending: deque[Request] = deque()  # guarded by _cond
+        self._loads: deque[Load] = deque()  # guarded by _cond
+        self._closed = False  # guarded by _cond
+        self._broken: BaseException | None = None  # guarded by _cond
+        self._version = version  # written by the engine under _cond
+        self._iteration = 0  # written by the engine under _cond
+        self._active: list[Request] = []  # engine thread only; index = slot
+        self._rows: RowSettings | None = None  # engine thread only; cache of _active's settings
+        self._thread = threading.Thread(target=self._run, name="RolloutServer-engine", daemon=True)
+        self._thread.start()
+
+    # ------------------------------------------------------------------ public API
+
+    @property
+    def version(self) -> int:
+        with self._cond:
+            return self._version
+
+    @property
+    def vocab_size(self) -> int:
+        return self._vocab
+
+    @property
+    def max_len(self) -> int:
+        """The longest prompt + completion a request may ask for."""
+        return self._max_len
+
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        """The served model's end-of-sequence ids (from its generation config or config)."""
+        return self._eos
+
+    def stats(self) -> dict[str, int]:
+        """Sizes of the internal tables (for tests and monitoring)."""
+        with self._cond:
+            return {
+                "pending": len(self._pending),
+                "active": len(self._active),
+                "loads": len(self._loads),
+                "iterations": self._iteration,
+            }
+
+    def load(self, variables: torch.nn.Module | Mapping[str, torch.Tensor], version: int) -> None:
+        """Copy ``variables`` (a module or a state dict with the model's names and shapes)
+        into the engine's model between two iterations, then serve them as ``version``."""
+        version = as_int(version, "version")
+        if version < 0:
+            raise ValueError(f"version must be >= 0, got {version}")
+        state = check_weights(self._targets, variables)
+        job = Load(state, version)
+        with self._cond:
+            self._check_open()
+            self._loads.append(job)
+            self._cond.notify_all()
+        job.done.wait()
+        if job.error is not None:
+            raise job.error
+
+    def generate(
+        self,
+        prompt: Sequence[int],
+        *,
+        max_tokens: int,
+        temperature: float = 1.0,
+        top_k: int | None = None,
+        top_p: float | None = None,
+        stop_ids: Collection[int] = (),
+        stop: threading.Event | None = None,
+    ) -> Call:
+        """Generate a completion of ``prompt`` (token ids); blocks until it is done.
+
+        Ends at the first token in ``stop_ids`` (kept as the last completion token,
+        ``finish_reason="stop"``) or after ``max_tokens`` tokens (``"length"``).
+        ``temperature=0`` is greedy. Raises :class:`Aborted` when ``stop`` is set before
+        the request finishes, ``ValueError`` for invalid arguments and ``RuntimeError``
+        when the server is (or gets) closed.
+        """
+        request = make_request(
+            prompt,
+            max_tokens=max_tokens,
+            temperature=temperature,
+            top_k=top_k,
+            top_p=top_p,
+            stop_ids=stop_ids,
+            stop=stop,
+            vocab=self._vocab,
+            max_len=self._max_len,
+        )
+        if request.stopped:
+            raise Aborted("generation stopped before it started")
+        with self._cond:
+            self._check_open()
+            self._pending.append(request)
+            self._cond.notify_all()
+        request.done.wait()
+        if request.error is not None:
+            raise request.error
+        assert request.call is not None
+        return request.call
+
+    def close(self) -> None:
+        """Stop the engine thread, failing every request and load that has not finished."""
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+        if self._thread is not threading.current_thread():
+            self._thread.join()
+
+    def __enter__(self) -> RolloutServer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ------------------------------------------------------------------ validation
+
+    def _check_open(self) -> None:  # caller holds _cond
+        if self._broken is not None:
+            raise RuntimeError(f"RolloutServer engine failed: {self._broken!r}")
+        if self._closed:
+            raise RuntimeError("RolloutServer is closed")
+
+    # ------------------------------------------------------------------ engine thread
+
+    def _run(self) -> None:
+        try:
+            with torch.inference_mode():
+                while self._iterate():
+                    pass
+            self._fail_all(RuntimeError("RolloutServer was closed before this request finished"))
+        except BaseException as exc:  # delivered to every waiter, then re-raised
+            with self._cond:
+                self._broken = exc
+            self._fail_all(RuntimeError(f"RolloutServer engine failed: {exc!r}"))
+            raise
+
+    def _fail_all(self, error: RuntimeError) -> None:
+        with self._cond:
+            self._closed = True
+            waiting = [*self._pending, *self._loads]
+            self._pending.clear()
+            self._loads.clear()
+        jobs = [*self._active, *waiting]
+        self._active = []
+        self._cache.clear()
+        for job in jobs:
+            self._resolve(job, error)
+
+    @staticmethod
+    def _resolve(job: Request | Load, error: BaseException | None = None) -> None:
+        job.error = error
+        job.done.set()
+
+    def _iterate(self) -> bool:
+        with self._cond:
+            idle = False
+            while not (self._closed or self._pending or self._loads or self._active):
+                idle = True
+                self._cond.wait()
+            if idle and self._pending and not self._loads:
+                self._gather()
+            if self._closed:
+                return False
+            loads = list(self._loads)
+            self._loads.clear()
+            dropped = [r for r in self._pending if r.stopped]
+            if dropped:
+                self._pending = deque(r for r in self._pending if not r.stopped)
+            room = self._max_batch - len(self._active)
+            joiners = [self._pending.popleft() for _ in range(min(room, len(self._pending)))]
+            self._iteration += 1
+            iteration = self._iteration
+        loaded = sum(self._apply(job) for job in loads)
+        dropped += [r for r in self._active if r.stopped]
+        self._remove(set(dropped))  # tables first: a caller that wakes up sees them clean
+        for r in dropped:
+            self._resolve(
+                r, Aborted("generation stopped", tokens=len(r.completion), iteration=iteration)
+            )
+        try:
+            if loaded and self._active:
+                self._refill()
+            if joiners:
+                self._prefill(joiners)
+            if self._active:
+                self._decode()
+        except Exception as exc:  # a failed step fails its requests, and the engine goes on
+            failed = RuntimeError(f"RolloutServer model step failed: {exc!r}")
+            failed.__cause__ = exc
+            hit = {*self._active, *joiners}
+            self._active = []
+            self._rows = None
+            self._cache.clear()
+            for r in hit:
+                if not r.done.is_set():
+                    self._resolve(r, failed)
+        return True
+
+    def _gather(self) -> None:  # caller holds _cond
+        deadline = time.monotonic() + _GATHER
+        seen = len(self._pending)
+        while seen < self._max_batch and not self._closed:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return
+            self._cond.wait(min(_QUIET, left))
+            if len(self._pending) == seen:
+                return
+            seen = len(self._pending)
+
+    def _apply(self, job: Load) -> bool:
+        """Copy one load's weights in; False (and the load fails) if the copy raised."""
+        try:
+            with torch.no_grad():
+                for name, source in job.state.items():
+                    self._targets[name].copy_(source)
+        except Exception as exc:
+            self._resolve(job, exc)
+            return False
+        with self._cond:
+            self._version = job.version
+        for r in self._active:
+            r.version = min(r.version, job.version)
+        self._resolve(job)
+        return True
+
+    def _remove(self, leaving: set[Request]) -> None:
+        """Take ``leaving`` out of the active table, filling holes from the end."""
+        if not leaving:
+            return
+        active = self._active
+        keep = len(active) - sum(r in leaving for r in active)
+        holes = [i for i in range(keep) if active[i] in leaving]
+        movers = [i for i in range(keep, len(active)) if active[i] not in leaving]
+        if movers:
+            width = max(active[i].cached for i in movers) + 1
+            self._cache.move(movers, holes, width)
+        for h, m in zip(holes, movers, strict=True):
+            active[h] = active[m]
+        del active[keep:]
+        self._rows = None
+
+    def _row_settings(self) -> RowSettings:
+        if self._rows is None:
+            a = self._active
+            self._rows = settings(
+                [r.temperature for r in a],
+                [r.top_k for r in a],
+                [r.top_p for r in a],
+                self._vocab,
+                self._device,
+            )
+        return self._rows
+
+    def _take(self, requests: Sequence[Request], logits: torch.Tensor, rows: RowSettings) -> None:
+        """Sample one token for each of ``requests`` from ``logits`` [n, V]; finish the
+        requests that are done."""
+        draw = sample(logits, rows, self._generator)
+        finished: set[Request] = set()
+        for r, tok, lp, sup in zip(
+            requests, draw.tokens, draw.log_probs, draw.support, strict=True
+        ):
+            r.completion.append(tok)
+            r.log_probs.append(lp)
+            if r.keeps_support:
+                assert sup is not None
+                r.support.append(sup)
+            if tok in r.stop_ids:
+                r.finish_reason = "stop"
+            elif len(r.completion) >= r.max_tokens:
+                r.finish_reason = "length"
+            else:
+                continue
+            finished.add(r)
+            r.call = Call(
+                prompt=r.prompt,
+                completion=r.completion,
+                log_probs=r.log_probs,
+                version=r.version,
+                temperature=r.temperature or 1.0,
+                support=r.support if r.keeps_support else None,
+                finish_reason=r.finish_reason,
+            )
+        self._remove(finished)
+        for r in finished:
+            self._resolve(r)
+
+    def _forward_prefill(self, seqs: list[list[int]], slots: list[int]) -> torch.Tensor:
+        """Run ``seqs`` (token ids, longest first) left-padded through the model, writing
+        their keys/values into ``slots``; returns the last position's logits [k, V]."""
+        width = len(seqs[0])
+        self._cache.reserve(max(slots) + 1, width)
+        lens = torch.tensor([len(s) for s in seqs], device=self._device)  # [k]
+        ids = torch.tensor(
+            [[0] * (width - len(s)) + s for s in seqs], device=self._device
+        )  # [k, T] left-padded
+        col = torch.arange(width, device=self._device)  # [T]
+        pad = (width - lens).unsqueeze(1)  # [k, 1]
+        positions = (col.unsqueeze(0) - pad).clamp(min=0)  # [k, T]
+        causal = col.unsqueeze(1) >= col.unsqueeze(0)  # [T, T] query >= key
+        real_key = (col.unsqueeze(0) >= pad).unsqueeze(1)  # [k, 1, T]
+        # Padded query rows attend to themselves so every row stays finite.
+        allowed = (causal & real_key) | torch.eye(
+            width, dtype=torch.bool, device=self._device
+        )  # [k, T, T]
+        self._cache.set_prefill(slots, [len(s) for s in seqs], width)
+        return self._call(ids, positions, allowed.unsqueeze(1), self._cache)
+
+    def _prefill(self, joiners: list[Request]) -> None:
+        version = self._version
+        for group in prefill_groups(joiners, lambda r: len(r.prompt)):
+            first = len(self._active)
+            logits = self._forward_prefill(
+                [r.prompt for r in group], list(range(first, first + len(group)))
+            )
+            for r in group:
+                r.version = version
+            self._active.extend(group)
+            self._rows = None
+            rows = settings(
+                [r.temperature for r in group],
+                [r.top_k for r in group],
+                [r.top_p for r in group],
+                self._vocab,
+                self._device,
+            )
+            self._take(group, logits, rows)
+
+    def _refill(self) -> None:
+        """Recompute every active request's keys/values under the weights just loaded, so
+        each later token is drawn from the new weights alone."""
+        slot = {id(r): i for i, r in enumerate(self._active)}
+        for group in prefill_groups(self._active, lambda r: r.cached):
+            self._forward_prefill(
+                [r.prompt + r.completion[:-1] for r in group], [slot[id(r)] for r in group]
+            )
+
+    def _decode(self) -> None:
+        active = self._active
+        n = len(active)
+        cols = [r.cached for r in active]
+        width = max(cols) + 1
+        self._cache.reserve(n, width)
+        columns = torch.tensor(cols, device=self._device)  # [n]
+        ids = torch.tensor([[r.completion[-1]] for r in active], device=self._device)  # [n, 1]
+        key = torch.arange(width, device=self._device)  # [W]
+        allowed = (key.unsqueeze(0) <= columns.unsqueeze(1))[:, None, None, :]  # [n, 1, 1, W]
+        self._cache.set_decode(n, columns, width)
+        logits = self._call(ids, columns.unsqueeze(1), allowed, self._cache)  # [n, V]
+        self._take(list(active), logits, self._row_settings())

@@ -1,0 +1,300 @@
+"""The trainer loop: ``fit()`` reads task batches, gets rollouts, takes one update each.
+
+``fit`` is one function on purpose; it reads top to bottom:
+
+1. restore the latest checkpoint when resuming (model, optimizer, updates, data
+   position, RNG states, record history) and cut ``records.jsonl`` back to it;
+2. open the task stream at the saved position, through ``rollout.tasks(dataset)``
+   when the rollout has one (the scheduler registers each batch as it is read, and
+   reopening cancels what an earlier stream left in flight, so it resubmits), behind
+   a look-ahead reader at least the rollout's ``ahead`` deep;
+3. per step: ``rollout(model, batch, updates=n)`` gives a packed batch,
+   ``objective.loss(model, packed)`` a loss, one backward and one optimizer update;
+4. a record per step (the scheduler's record of the call, the loss metrics and the
+   task ids by outcome) goes to ``records.jsonl``, TensorBoard when installed, and
+   every ``log`` callback;
+5. a checkpoint every ``checkpoint_every`` updates and at the end.
+
+A *Rollout* is anything callable as ``rollout(model, batch, *, updates) -> packed``:
+a :class:`~dew.objectives.rl.scheduler.RolloutScheduler`, or a plain function.
+Optional attributes make it richer: ``tasks(dataset)``, ``ahead``, ``history``
+(records of its calls) and ``last_tasks`` (task ids of the last call by outcome).
+
+Exactly once: a checkpoint holds the data position of the next batch and the record
+history; a resume rewrites ``records.jsonl`` to that history and reads the stream
+from that position again, so every task batch is trained by exactly one record of
+the final file however often the process dies.
+
+Not thread-based: the loop runs on the caller's thread; the scheduler owns its own.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import math
+import os
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+from dew import _checkpoint
+from dew._checkpoint import CheckpointError
+from dew._sinks import JsonlSink, Sink, tensorboard_sink
+from dew.data import Batch, Dataset, Prefetch
+
+__all__ = ["CheckpointError", "FitResult", "Rollout", "fit", "latest_checkpoint", "read_records"]
+
+logger = logging.getLogger("dew.train")
+
+Record = dict[str, Any]
+
+
+class Rollout(Protocol):
+    """Turns a task batch into a packed training batch for the current weights."""
+
+    def __call__(self, variables: Any, batch: Batch, *, updates: int) -> Batch: ...
+
+
+@dataclass
+class FitResult:
+    """What a ``fit`` call ended with."""
+
+    updates: int
+    position: int
+    records: list[Record] = field(default_factory=list)
+    checkpoint: Path | None = None
+    resumed_from: Path | None = None
+
+
+def latest_checkpoint(run_dir: str | os.PathLike[str]) -> Path | None:
+    """The newest checkpoint of ``run_dir`` that verifies (corrupt ones are skipped)."""
+    return _checkpoint.latest(Path(run_dir) / "checkpoints")
+
+
+def _jsonable(value: Any) -> Any:
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return {f.name: _jsonable(getattr(value, f.name)) for f in dataclasses.fields(value)}
+    if isinstance(value, Mapping):
+        return {str(k): _jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_jsonable(v) for v in value]
+    if hasattr(value, "item") and callable(value.item):  # numpy / torch scalars
+        return value.item()
+    return value
+
+
+def _resume_path(run_dir: Path | None, resume: bool | str | os.PathLike[str]) -> Path | None:
+    """Which checkpoint to restore: None for a fresh start."""
+    if resume is False:
+        return None
+    if resume is True:
+        if run_dir is None:
+            raise ValueError("resume=True needs run_dir (where the checkpoints are)")
+        return latest_checkpoint(run_dir)  # None: nothing saved yet, start fresh
+    path = Path(resume)
+    if not path.exists():
+        raise CheckpointError(f"resume={str(path)!r}: no such run or checkpoint folder")
+    if (path / "checkpoints").is_dir():  # a run folder
+        found = latest_checkpoint(path)
+        if found is None:
+            raise CheckpointError(f"{path / 'checkpoints'}: no complete checkpoint to resume")
+        return found
+    return path  # a checkpoint folder: verified (strictly) by load
+
+
+def _step_path(folder: Path, updates: int) -> Path:
+    return folder / f"step-{updates:08d}"
+
+
+def _restore_history(rollout: Any, records: Sequence[Record]) -> None:
+    """Refill a scheduler's ``history`` from the checkpoint's records."""
+    history = getattr(rollout, "history", None)
+    if not isinstance(history, list):
+        return
+    from dew.objectives.rl.scheduler import SchedulerRecord
+
+    history.clear()
+    history.extend(SchedulerRecord(**r["scheduler"]) for r in records if "scheduler" in r)
+
+
+def _set_aside_newer(chosen: Path) -> None:
+    """Rename refused checkpoints newer than ``chosen`` so pruning never keeps them."""
+    for path in _checkpoint.checkpoints(chosen.parent):
+        if path.name > chosen.name:
+            path.rename(path.with_name(f"refused-{path.name}-{int(time.time())}"))
+
+
+def fit(
+    model: Any,
+    optimizer: Any,
+    dataset: Dataset,
+    rollout: Rollout,
+    objective: Any,
+    *,
+    steps: int,
+    run_dir: str | os.PathLike[str] | None = None,
+    checkpoint_every: int | None = 100,
+    keep: int = 2,
+    prefetch: int | None = None,
+    resume: bool | str | os.PathLike[str] = False,
+    log: Sequence[Callable[[Record], None]] = (),
+    max_grad_norm: float | None = 1.0,
+    tensorboard: bool = True,
+    config: Mapping[str, Any] | None = None,
+) -> FitResult:
+    """Train until ``steps`` optimizer updates have been taken in total.
+
+    ``steps`` counts from the start of the run, so a resumed call goes on to the same
+    target. ``run_dir`` (optional) receives ``records.jsonl``, ``checkpoints/`` and,
+    when the ``tensorboard`` package is importable and ``tensorboard`` is true, event
+    files. ``resume`` is ``False``, ``True`` (the newest valid checkpoint of
+    ``run_dir``, or a fresh start if there is none) or a path (a run folder or a
+    checkpoint folder; refused with :class:`CheckpointError` if invalid).
+    ``prefetch`` is the look-ahead depth of the stream reader (default: the rollout's
+    ``ahead``, at least 1). ``log`` callbacks receive each step's record.
+    ``config`` is stored as JSON in every checkpoint.
+    """
+    import torch
+
+    if not isinstance(steps, int) or steps < 0:
+        raise ValueError(f"steps={steps!r} must be an int >= 0")
+    if checkpoint_every is not None and (
+        not isinstance(checkpoint_every, int) or checkpoint_every < 1
+    ):
+        raise ValueError(f"checkpoint_every={checkpoint_every!r} must be None or an int >= 1")
+    if prefetch is None:
+        prefetch = max(1, int(getattr(rollout, "ahead", 0)))
+    if prefetch < getattr(rollout, "ahead", 0):
+        raise ValueError(
+            f"prefetch={prefetch} must be >= the rollout's ahead={rollout.ahead}: the "
+            "scheduler can only work on batches the reader has already read"
+        )
+    if max_grad_norm is not None and not max_grad_norm > 0:
+        raise ValueError(f"max_grad_norm={max_grad_norm!r} must be None or > 0")
+    run = None if run_dir is None else Path(run_dir)
+    folder = None if run is None else run / "checkpoints"
+
+    if resume is False and folder is not None and _checkpoint.checkpoints(folder):
+        raise ValueError(
+            f"run_dir={str(run)!r} already holds checkpoints: pass resume=True to continue "
+            "it, or use a new run_dir"
+        )
+
+    # 1. Restore.
+    updates, position, records = 0, 0, []
+    source = _resume_path(run, resume)
+    if source is not None:
+        ckpt = _checkpoint.load(source, model=model, optimizer=optimizer)
+        if folder is not None and source.parent.resolve() == folder.resolve():
+            _set_aside_newer(source)
+        updates, position, records = ckpt.updates, ckpt.position, ckpt.records
+        _restore_history(rollout, records)
+        logger.info("resumed from %s at update %d, data position %d", source, updates, position)
+    sinks: list[Sink] = []
+    if run is not None:
+        run.mkdir(parents=True, exist_ok=True)
+        sinks.append(JsonlSink(run / "records.jsonl", records))
+        if tensorboard and (tb := tensorboard_sink(run / "tensorboard")) is not None:
+            sinks.append(tb)
+    result = FitResult(updates=updates, position=position, records=records, resumed_from=source)
+
+    def checkpoint() -> None:
+        if folder is None:
+            return
+        result.checkpoint = _checkpoint.save(
+            folder,
+            model=model,
+            optimizer=optimizer,
+            updates=updates,
+            position=position,
+            records=records,
+            extra={"config": _jsonable(dict(config or {}))},
+            keep=keep,
+        )
+
+    try:
+        # 2. Open the stream where the checkpoint left it.
+        tasks = rollout.tasks(dataset) if hasattr(rollout, "tasks") else dataset
+        reader: Iterator[Batch] = Prefetch(tasks.stream(position), prefetch)
+        history = getattr(rollout, "history", None)
+        while updates < steps:
+            # 3. One batch, one rollout call, one update.
+            t0 = time.monotonic()
+            batch = next(reader)
+            seen = len(history) if isinstance(history, list) else 0
+            packed = rollout(model, batch, updates=updates)
+            t1 = time.monotonic()
+            loss, metrics = objective.loss(model, packed)
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            grad_norm = None
+            if max_grad_norm is not None:
+                norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)
+                grad_norm = float(norm)
+            optimizer.step()
+            t2 = time.monotonic()
+
+            # 4. Record it.
+            record: Record = {
+                "step": updates + 1,
+                "position": position,
+                "time": time.time(),
+                "seconds": t2 - t0,
+                "rollout_seconds": t1 - t0,
+                "train_seconds": t2 - t1,
+                "loss": float(loss.detach()),
+                "metrics": {k: float(v) for k, v in metrics.items()},
+            }
+            if grad_norm is not None:
+                record["grad_norm"] = grad_norm if math.isfinite(grad_norm) else str(grad_norm)
+            if "loss_mask" in packed:
+                record["trained_tokens"] = int(packed["loss_mask"].sum())
+            if isinstance(history, list) and len(history) > seen:
+                record["scheduler"] = _jsonable(history[-1])
+            last_tasks = getattr(rollout, "last_tasks", None)
+            if last_tasks:
+                record["tasks"] = {k: list(v) for k, v in last_tasks.items()}
+            elif "task_id" in batch:
+                record["tasks"] = {"trained": [str(int(i)) for i in batch["task_id"]]}
+            updates += 1
+            position += 1
+            records.append(record)
+            for sink in sinks:
+                sink(record)
+            for callback in log:
+                callback(record)
+            result.updates, result.position = updates, position
+
+            # 5. Checkpoint.
+            if checkpoint_every is not None and updates % checkpoint_every == 0:
+                checkpoint()
+        # The final state is always saved (unless it already is).
+        last = result.checkpoint or source
+        if folder is not None and (
+            last is None or last.resolve() != _step_path(folder, updates).resolve()
+        ):
+            checkpoint()
+        elif result.checkpoint is None:
+            result.checkpoint = last
+    finally:
+        for sink in sinks:
+            sink.close()
+    return result
+
+
+def read_records(run_dir: str | os.PathLike[str]) -> list[Record]:
+    """The records of ``run_dir/records.jsonl`` (a torn last line is ignored)."""
+    out = []
+    path = Path(run_dir) / "records.jsonl"
+    if not path.exists():
+        return out
+    for line in path.read_text().splitlines():
+        try:
+            out.append(json.loads(line))
+        except ValueError:
+            break
+    return out

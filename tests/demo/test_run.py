@@ -1,0 +1,68 @@
+"""A very short demo end to end through the ``dew`` entry point: train, resume, plot."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from dew.train import latest_checkpoint, read_records
+
+DEW = Path(sys.executable).with_name("dew")
+SMALL = ["--batch-size", "2", "--group-size", "4", "--no-progress"]
+
+
+def dew(*args: str) -> subprocess.CompletedProcess[str]:
+    out = subprocess.run([str(DEW), *args], capture_output=True, text=True, timeout=240)
+    assert out.returncode == 0, out.stderr[-4000:]
+    return out
+
+
+def check_run(run: Path, steps: int) -> list[dict]:
+    records = read_records(run)
+    assert [r["step"] for r in records] == list(range(1, steps + 1))
+    for r in records:
+        sched = r["scheduler"]
+        assert sched["updates"] == r["step"] - 1
+        assert 0 <= sched["lag"] <= 1  # ahead=1, max_lag=1
+        assert sched["groups"] + sched["cut"] + sched["abandoned"] <= 2
+        assert sum(len(ids) for ids in r["tasks"].values()) == 2  # every task accounted for
+    assert latest_checkpoint(run) == run / f"checkpoints/step-{steps:08d}"
+    assert (run / "plot.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    return records
+
+
+@pytest.mark.timeout(600)
+def test_demo_trains_resumes_and_plots(tmp_path: Path) -> None:
+    task = "single"
+    run = tmp_path / "run"
+    out = dew("demo", "--task", task, "--steps", "3", "--run-dir", str(run), *SMALL)
+    assert "mean reward, first 10% of steps" in out.stdout
+    config = json.loads((run / "config.json").read_text())
+    assert config["task"] == task and config["steps"] == 3 and config["ahead"] == 1
+    first = check_run(run, 3)
+    assert any("reward/mean" in r["scheduler"]["metrics"] for r in first)
+
+    dew("demo", "--resume", str(run), "--steps", "5", "--no-progress")
+    records = check_run(run, 5)
+    assert records[:3] == first  # the resumed run kept the history it restored
+    assert json.loads((run / "config.json").read_text())["steps"] == 5
+
+    (run / "plot.png").unlink()
+    out = dew("plot", str(run))
+    assert out.stdout.strip() == str(run / "plot.png")
+    assert (run / "plot.png").stat().st_size > 10_000
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("task", ["guess", "agent"])
+def test_the_other_example_tasks_run(tmp_path: Path, task: str) -> None:
+    run = tmp_path / task
+    dew("demo", "--task", task, "--steps", "2", "--run-dir", str(run), *SMALL)
+    records = check_run(run, 2)
+    if task == "agent":  # every episode packs into one chain
+        merged = [r["scheduler"]["metrics"].get("merge_ratio") for r in records]
+        assert all(m == 1.0 for m in merged if m is not None)

@@ -1,0 +1,203 @@
+"""PromptSource on a real RolloutServer, with verifiers the tests script."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import pytest
+import torch
+
+from dew.demo.model import make_model, make_tokenizer
+from dew.objectives.rl.sessions import Call, RolloutKey, Status, Task
+from dew.objectives.rl.sources import PromptSource
+from dew.serving import RolloutServer
+
+TOK = make_tokenizer()
+WAIT = 60.0
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[RolloutServer]:
+    srv = RolloutServer(make_model("qwen2", "tiny", seed=2), seed=0)
+    yield srv
+    srv.close()
+
+
+def key(i: int = 0) -> RolloutKey:
+    return RolloutKey(group=0, sample=i, attempt=0)
+
+
+class Recorder:
+    """A verifier that returns a scripted value and records what it was shown."""
+
+    def __init__(self, out: Any) -> None:
+        self.out = out
+        self.seen: list[tuple[Task, Any, Call]] = []
+        self.lock = threading.Lock()
+
+    def __call__(self, task: Task, completion: Any, call: Call) -> Any:
+        with self.lock:
+            self.seen.append((task, completion, call))
+        if isinstance(self.out, BaseException):
+            raise self.out
+        return self.out
+
+
+def run_one(source: PromptSource, task_id: str = "0") -> Any:
+    return source.start(Task(task_id), key()).result(timeout=WAIT)
+
+
+def test_stop_token_completes_and_the_verifier_sees_ids_without_it(server: RolloutServer) -> None:
+    verifier = Recorder(0.75)
+    everything = range(server.vocab_size)  # any first token stops
+    with PromptSource(
+        server, [[7, 8, 9], (10, 11)], verifier, max_tokens=5, stop_ids=everything
+    ) as source:
+        rollout = run_one(source, "1")
+    assert rollout.status is Status.COMPLETED and rollout.truncation is None
+    assert rollout.reward == 0.75 and dict(rollout.components) == {}
+    (call,) = rollout.calls
+    assert list(call.prompt) == [10, 11] and len(call.completion) == 1
+    assert call.finish_reason == "stop"
+    task, completion, seen_call = verifier.seen[0]
+    assert task.id == "1" and completion == [] and seen_call is call
+
+
+def test_max_tokens_truncates_and_is_still_scored(server: RolloutServer) -> None:
+    verifier = Recorder({"format": 0.25, "answer": 0.5})
+    with PromptSource(server, [[5, 6]], verifier, max_tokens=4, stop_ids=()) as source:
+        rollout = run_one(source)
+    assert rollout.status is Status.TRUNCATED and rollout.truncation == "length"
+    assert rollout.reward == 0.75
+    assert dict(rollout.components) == {"format": 0.25, "answer": 0.5}
+    assert len(rollout.calls[0].completion) == 4
+    assert verifier.seen[0][1] == list(rollout.calls[0].completion)
+
+
+@pytest.mark.parametrize(
+    "bad", [RuntimeError("grader crashed"), float("nan"), "1.0", {"a": float("inf")}, {"a": "x"}]
+)
+def test_verifier_failure_is_infra_error_without_reward(server: RolloutServer, bad: Any) -> None:
+    with PromptSource(server, [[5, 6]], Recorder(bad), max_tokens=2) as source:
+        rollout = run_one(source)
+    assert rollout.status is Status.INFRA_ERROR
+    assert rollout.reward is None and dict(rollout.components) == {}
+    assert rollout.error and rollout.error.startswith("verifier failed")
+    if isinstance(bad, RuntimeError):
+        assert "grader crashed" in rollout.error
+    assert len(rollout.calls) == 1  # the generation is kept for inspection
+
+
+@pytest.mark.timeout(120)
+def test_cancel_aborts_the_generation(server: RolloutServer) -> None:
+    with PromptSource(server, [[5, 6]], Recorder(1.0), max_tokens=1000, stop_ids=()) as source:
+        session = source.start(Task("0"), key())
+        deadline = time.monotonic() + WAIT
+        while server.stats()["active"] == 0:  # wait for the request to reach the engine
+            assert time.monotonic() < deadline
+            time.sleep(0.001)
+        session.cancel()
+        rollout = session.result(timeout=WAIT)
+    assert rollout.status is Status.CANCELLED and rollout.reward is None
+    assert server.stats()["active"] == 0
+
+
+def test_text_prompts_and_chat_template(server: RolloutServer) -> None:
+    verifier = Recorder(1.0)
+    prompts = [
+        "12+3=",
+        [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}],
+    ]
+    with PromptSource(server, prompts[:1], verifier, tokenizer=TOK, max_tokens=3) as source:
+        assert source.stop_ids == [TOK.eos_token_id]
+    with PromptSource(
+        server, prompts[:1], verifier, tokenizer=TOK, max_tokens=3, stop_ids=()
+    ) as source:
+        rollout = run_one(source)
+    assert list(rollout.calls[0].prompt) == TOK("12+3=")["input_ids"]
+    text = verifier.seen[0][1]
+    assert isinstance(text, str)
+    assert rollout.calls[0].finish_reason == "length"  # nothing cut off: the text is it all
+    assert text == TOK.decode(list(rollout.calls[0].completion), skip_special_tokens=False)
+
+    with PromptSource(
+        server, prompts, verifier, tokenizer=TOK, chat_template=True, max_tokens=3
+    ) as source:
+        first = run_one(source, "0")
+        second = run_one(source, "1")
+    want0 = TOK.apply_chat_template(
+        [{"role": "user", "content": "12+3="}], add_generation_prompt=True, tokenize=True
+    )["input_ids"]
+    want1 = TOK.apply_chat_template(prompts[1], add_generation_prompt=True, tokenize=True)[
+        "input_ids"
+    ]
+    assert list(first.calls[0].prompt) == want0
+    assert list(second.calls[0].prompt) == want1
+
+
+class Column(Sequence[Any]):
+    """A read-only sequence that is not a list (as a dataset column can be)."""
+
+    def __init__(self, items: list[Any]) -> None:
+        self._items = items
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def __getitem__(self, i: Any) -> Any:
+        return self._items[i]
+
+
+def test_any_sequence_of_prompts_and_array_prompts(server: RolloutServer) -> None:
+    import numpy as np
+
+    prompts = Column([np.array([5, 6, 7]), torch.tensor([8, 9])])
+    with PromptSource(server, prompts, Recorder(0.0), max_tokens=2) as source:
+        assert list(run_one(source, "0").calls[0].prompt) == [5, 6, 7]
+        assert list(run_one(source, "1").calls[0].prompt) == [8, 9]
+
+
+def test_dataset_column_prompts(server: RolloutServer) -> None:
+    import datasets
+    table = datasets.Dataset.from_dict({"prompt": ["12=", "345="]})
+    with PromptSource(
+        server, table["prompt"], Recorder(0.0), tokenizer=TOK, max_tokens=2
+    ) as source:
+        assert list(run_one(source, "1").calls[0].prompt) == TOK("345=")["input_ids"]
+
+
+def test_bad_task_ids_and_configuration(server: RolloutServer) -> None:
+    with PromptSource(server, [[5]], Recorder(0.0), max_tokens=2) as source:
+        for bad in ("1", "-1", "x", "0.5"):
+            with pytest.raises(ValueError, match=r"rollout\(group=0, sample=3, attempt=0\)"):
+                source.start(Task(bad), key(3))
+    with pytest.raises(ValueError, match="max_tokens"):
+        PromptSource(server, [[5]], Recorder(0.0), max_tokens=0)
+    with pytest.raises(ValueError, match="tokenizer"):
+        PromptSource(server, ["x"], Recorder(0.0), chat_template=True, max_tokens=1)
+    with pytest.raises(ValueError, match="top_p"):
+        PromptSource(server, [[5]], Recorder(0.0), max_tokens=1, top_p=0.0)
+    with PromptSource(server, ["text"], Recorder(0.0), max_tokens=1) as source:
+        with pytest.raises(ValueError, match="need a tokenizer"):
+            source.start(Task("0"), key()).result(timeout=WAIT)
+
+
+def test_defaults_to_the_served_models_eos(server: RolloutServer) -> None:
+    with PromptSource(server, [[5]], Recorder(0.0), max_tokens=1) as source:
+        assert source.stop_ids == list(server.eos_token_ids)
+
+
+@pytest.mark.timeout(120)
+def test_many_sessions_at_once(server: RolloutServer) -> None:
+    prompts = [[6 + i % 40, 7, 8] for i in range(40)]
+    verifier = Recorder(0.5)
+    with PromptSource(server, prompts, verifier, max_tokens=6, top_k=10, workers=16) as source:
+        sessions = [source.start(Task(str(i)), key(i)) for i in range(40)]
+        rollouts = [s.result(timeout=WAIT) for s in sessions]
+    assert {r.status for r in rollouts} <= {Status.COMPLETED, Status.TRUNCATED}
+    assert [list(r.calls[0].prompt) for r in rollouts] == prompts
+    assert all(r.calls[0].support is not None for r in rollouts)
+    assert len(verifier.seen) == 40

@@ -1,0 +1,185 @@
+"""RolloutServer under concurrency: continuous batching, aborts, weight pushes, close."""
+
+from __future__ import annotations
+
+import queue
+import threading
+
+import pytest
+import torch
+
+from dew.objectives.rl.sessions import Call
+from dew.serving import Aborted, RolloutServer
+
+from ._helpers import WAIT, Worker, hf_greedy, lively, prompts, wait_until
+
+
+@pytest.mark.timeout(120)
+def test_many_threads_share_batches(server: RolloutServer) -> None:
+    batch = prompts(48, server.vocab_size, seed=4)
+    settings = [
+        {"temperature": 0.0},
+        {"temperature": 1.0},
+        {"top_k": 3},
+        {"top_p": 0.6, "temperature": 0.5},
+    ]
+    workers = [
+        Worker(lambda i=i, p=p: server.generate(p, max_tokens=3 + i % 11, **settings[i % 4]))
+        for i, p in enumerate(batch)
+    ]
+    calls = [w.join() for w in workers]
+    for i, (p, call) in enumerate(zip(batch, calls, strict=True)):
+        assert isinstance(call, Call), workers[i].error
+        assert list(call.prompt) == p
+        assert len(call.completion) == len(call.log_probs) == 3 + i % 11
+    stats = server.stats()
+    assert (stats["pending"], stats["active"], stats["loads"]) == (0, 0, 0)
+    # 48 requests of at most 13 tokens through 16 slots: batches were shared.
+    assert stats["iterations"] < sum(3 + i % 11 for i in range(48)) / 4
+
+
+@pytest.mark.timeout(120)
+def test_short_request_is_not_held_behind_long_ones(server: RolloutServer) -> None:
+    stops = [threading.Event() for _ in range(4)]
+    longs = [Worker(lambda s=s: server.generate([6, 7, 8], max_tokens=1000, stop=s)) for s in stops]
+    wait_until(lambda: server.stats()["active"] == 4, "the long requests to decode")
+    short = server.generate([9, 10], max_tokens=3)
+    assert len(short.completion) == 3
+    # The long ones (1000 tokens each) are still running: the short one joined their batch.
+    assert server.stats()["active"] == 4 and not any(w.done.is_set() for w in longs)
+    for s in stops:
+        s.set()
+    for w in longs:
+        w.join()
+        assert isinstance(w.error, Aborted) and w.error.tokens < 1000
+
+
+@pytest.mark.timeout(120)
+def test_stop_aborts_within_one_iteration_and_frees_the_slot(qwen: torch.nn.Module) -> None:
+    with RolloutServer(qwen, max_batch=1) as server:
+        stop = threading.Event()
+        victim = Worker(lambda: server.generate([5, 6], max_tokens=1000, stop=stop))
+        wait_until(lambda: server.stats()["active"] == 1, "the request to decode")
+        waiting = Worker(lambda: server.generate([7], max_tokens=5))  # needs the only slot
+        wait_until(lambda: server.stats()["pending"] == 1, "the second request to queue")
+        seen = server.stats()["iterations"]
+        stop.set()
+        victim.join()
+        assert isinstance(victim.error, Aborted)
+        # Dropped by the iteration in flight when stop was set, or the next one.
+        assert victim.error.iteration <= seen + 2
+        waiting.join()
+        assert isinstance(waiting.result, Call) and len(waiting.result.completion) == 5
+        # A stop already set fails fast without reaching the engine.
+        with pytest.raises(Aborted) as info:
+            server.generate([5], max_tokens=3, stop=stop)
+        assert info.value.iteration == -1
+
+
+@pytest.mark.timeout(240)
+def test_thousands_of_aborts_leave_no_trace(qwen: torch.nn.Module) -> None:
+    per_thread, threads = 250, 8
+    with RolloutServer(qwen, max_batch=8) as server:
+        stops: queue.Queue[threading.Event | None] = queue.Queue()
+        outcomes: list[str] = []
+        lock = threading.Lock()
+
+        def client(seed: int) -> None:
+            for i in range(per_thread):
+                stop = threading.Event()
+                stops.put(stop)
+                try:
+                    server.generate([6 + (seed + i) % 50] * (1 + i % 5), max_tokens=500, stop=stop)
+                    kind = "finished"
+                except Aborted as exc:
+                    kind = "engine" if exc.iteration >= 0 else "early"
+                with lock:
+                    outcomes.append(kind)
+
+        def aborter() -> None:
+            # Sets each stop as soon as it is published: some before the request is
+            # queued, some while pending, some while decoding.
+            while (stop := stops.get()) is not None:
+                stop.set()
+
+        killer = threading.Thread(target=aborter)
+        killer.start()
+        clients = [threading.Thread(target=client, args=(s,)) for s in range(threads)]
+        for c in clients:
+            c.start()
+        for c in clients:
+            c.join(WAIT * 3)
+            assert not c.is_alive()
+        stops.put(None)
+        killer.join()
+        assert len(outcomes) == per_thread * threads
+        assert "finished" not in outcomes  # 500 tokens never outran the aborter
+        assert outcomes.count("engine") > 0
+        stats = server.stats()
+        assert (stats["pending"], stats["active"], stats["loads"]) == (0, 0, 0)
+        assert server._active == [] and not server._pending  # the tables themselves
+        call = server.generate([5, 6, 7], max_tokens=4, temperature=0)  # still serving
+        assert list(call.completion) == hf_greedy(qwen, [5, 6, 7], 4)
+
+
+@pytest.mark.timeout(180)
+def test_load_mid_request_switches_weights_and_keeps_the_oldest_version() -> None:
+    old, new = lively("qwen2", 10), lively("qwen2", 11)
+    prompt, n = [12, 13, 14, 15], 150
+    with RolloutServer(old, version=3, max_batch=4) as server:
+        beside = Worker(lambda: server.generate([20, 21], max_tokens=300, temperature=1.0))
+        running = Worker(lambda: server.generate(prompt, max_tokens=n, temperature=0))
+        wait_until(lambda: server.stats()["active"] == 2, "both requests to decode")
+        server.load(new, 4)  # returns once the new weights are in place
+        assert server.version == 4
+        # The push lands at the next iteration, with ~150 tokens of the request to go.
+        call = running.join()
+        other = beside.join()
+        after = server.generate(prompt, max_tokens=3, temperature=0)
+    assert isinstance(call, Call) and isinstance(other, Call)
+    assert call.version == 3 and other.version == 3  # the oldest version that served them
+    assert after.version == 4
+    completion = list(call.completion)
+    before_push = hf_greedy(old, prompt, n)
+    assert completion != before_push, "tokens after the push must come from the new weights"
+    # Some prefix is the old model's greedy output, the rest the new model's greedy
+    # continuation of prompt + that prefix (keys and values recomputed under it).
+    agree = next(j for j in range(n) if completion[j] != before_push[j])
+    assert agree >= 1  # the push landed after the first token
+    # The switch happened at some j <= agree (the new weights may agree for a while).
+    assert any(
+        completion[j:] == hf_greedy(new, prompt + completion[:j], n - j)
+        for j in range(agree, 0, -1)
+    ), "the tail is not the new weights' greedy output"
+
+
+@pytest.mark.timeout(120)
+def test_close_fails_pending_requests_clearly(qwen: torch.nn.Module) -> None:
+    server = RolloutServer(qwen, max_batch=1)
+    active = Worker(lambda: server.generate([5], max_tokens=1000))
+    wait_until(lambda: server.stats()["active"] == 1, "the first request to decode")
+    pending = Worker(lambda: server.generate([6], max_tokens=3))
+    wait_until(lambda: server.stats()["pending"] == 1, "the second request to queue")
+    server.close()
+    assert not server._thread.is_alive()
+    for w in (active, pending):
+        w.join()
+        assert isinstance(w.error, RuntimeError) and "closed" in str(w.error)
+    with pytest.raises(RuntimeError, match="closed"):
+        server.generate([5], max_tokens=1)
+    with pytest.raises(RuntimeError, match="closed"):
+        server.load(qwen, 1)
+    server.close()  # idempotent
+
+
+@pytest.mark.timeout(120)
+def test_a_failing_step_fails_its_requests_and_the_engine_goes_on(qwen: torch.nn.Module) -> None:
+    with RolloutServer(qwen) as server:
+        broken = {k: torch.full_like(v, float("nan")) for k, v in qwen.state_dict().items()}
+        server.load(broken, 1)
+        with pytest.raises(RuntimeError, match="model step failed"):
+            server.generate([5, 6], max_tokens=4)  # sampling from NaN logits raises
+        assert server.stats()["active"] == 0
+        server.load(qwen, 2)
+        call = server.generate([5, 6], max_tokens=4, temperature=0)
+        assert list(call.completion) == hf_greedy(qwen, [5, 6], 4) and call.version == 2

@@ -1,0 +1,61 @@
+"""The dew command: fast help, no heavy imports while parsing, clear usage errors."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+HEAVY = ("torch", "transformers", "matplotlib", "numpy", "tqdm")
+
+
+def python(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, *args], capture_output=True, text=True, timeout=120, cwd=cwd
+    )
+
+
+@pytest.mark.timeout(120)
+def test_help_imports_nothing_heavy() -> None:
+    out = python("-m", "dew.cli", "--help")
+    assert out.returncode == 0, out.stderr
+    assert "demo" in out.stdout and "plot" in out.stdout
+    # Parse every command line as the entry point would; nothing heavy may load.
+    probe = (
+        "import sys\n"
+        "from dew.cli import parser\n"
+        "for argv in (['demo'], ['demo', '--task', 'guess', '--steps', '3'], ['plot', 'x']):\n"
+        "    parser().parse_args(argv)\n"
+        f"print(sorted(m for m in {HEAVY!r} if m in sys.modules))\n"
+    )
+    out = python("-c", probe)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]"
+
+
+@pytest.mark.timeout(120)
+def test_help_import_time_is_small() -> None:
+    # -X importtime reports microseconds per module; dew.cli's cumulative time must be
+    # a small fraction of a second (torch alone takes seconds).
+    out = python("-X", "importtime", "-c", "import dew.cli")
+    assert out.returncode == 0, out.stderr
+    line = next(x for x in out.stderr.splitlines() if x.rstrip().endswith("| dew.cli"))
+    cumulative_us = int(line.split("|")[1])
+    assert cumulative_us < 300_000, line
+
+
+@pytest.mark.timeout(120)
+def test_usage_errors_are_one_clear_line(tmp_path: Path) -> None:
+    out = python("-m", "dew.cli", "demo", "--task", "nope")
+    assert out.returncode != 0
+    assert "task='nope' is not one of" in out.stderr and "Traceback" not in out.stderr
+    out = python("-m", "dew.cli", "demo", "--steps", "0")
+    assert "steps=0 must be an int >= 1" in out.stderr and "Traceback" not in out.stderr
+    out = python("-m", "dew.cli", "plot", str(tmp_path / "missing"))
+    assert out.returncode != 0
+    assert "no records to plot" in out.stderr and "Traceback" not in out.stderr
+    out = python("-m", "dew.cli", "demo", "--resume", str(tmp_path))
+    assert out.returncode != 0
+    assert "not a dew demo run folder" in out.stderr and "Traceback" not in out.stderr

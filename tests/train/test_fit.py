@@ -1,0 +1,210 @@
+"""fit(): the loop with a plain-function rollout, checkpoints, resume and bad input."""
+
+from __future__ import annotations
+
+import json
+import random
+import shutil
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from dew import _checkpoint
+from dew.data import Batch, Dataset
+from dew.demo.model import make_model
+from dew.objectives.rl.grpo import GRPOObjective
+from dew.train import CheckpointError, fit, latest_checkpoint, read_records
+
+WIDTH = 12
+
+
+def rollout(model: Any, batch: Batch, *, updates: int) -> Batch:
+    """Random tokens and advantages from all three global RNGs, so resume must restore them."""
+    rows = len(batch["task_id"])
+    vocab = model.config.vocab_size
+    tokens = torch.randint(0, vocab, (rows, WIDTH)).numpy()  # [rows, width]
+    advantages = np.repeat(np.random.randn(rows, 1), WIDTH, axis=1)  # [rows, width]
+    advantages *= random.uniform(0.5, 1.5)
+    out = {
+        "tokens": tokens,
+        "positions": np.tile(np.arange(WIDTH), (rows, 1)),
+        "segments": np.ones((rows, WIDTH), dtype=np.int64),
+        "loss_mask": np.concatenate(
+            [np.zeros((rows, 1)), np.ones((rows, WIDTH - 1))], axis=1
+        ).astype(np.float32),
+        "advantages": advantages.astype(np.float32),
+    }
+    with torch.no_grad():
+        logp = GRPOObjective().packed_log_probs(model, out).numpy()
+    out["behavior_log_probs"] = logp
+    out["proximal_log_probs"] = logp
+    return out
+
+
+def dataset() -> Dataset:
+    return Dataset({"task_id": np.arange(40)}, batch_size=4, seed=3)
+
+
+def parts(seed: int = 0) -> tuple[Any, Any]:
+    model = make_model(size="tiny", seed=seed, max_positions=64)
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-3)
+
+
+def run(run_dir: Path | None, steps: int, *, seed: int = 0, **kw: Any) -> tuple[Any, Any]:
+    torch.manual_seed(seed)
+    np.random.seed(seed)
+    random.seed(seed)
+    model, opt = parts(seed)
+    result = fit(
+        model, opt, dataset(), rollout, GRPOObjective(), steps=steps, run_dir=run_dir, **kw
+    )
+    return model, result
+
+
+def same_weights(a: Any, b: Any) -> bool:
+    sa, sb = a.state_dict(), b.state_dict()
+    return sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sa)
+
+
+def strip(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    drop = {"time", "seconds", "rollout_seconds", "train_seconds"}
+    return [{k: v for k, v in r.items() if k not in drop} for r in records]
+
+
+def test_fit_writes_records_and_a_final_checkpoint(tmp_path: Path) -> None:
+    seen: list[dict[str, Any]] = []
+    model, result = run(tmp_path, 3, checkpoint_every=None, log=[seen.append])
+    records = read_records(tmp_path)
+    assert [r["step"] for r in records] == [1, 2, 3]
+    assert [r["position"] for r in records] == [0, 1, 2]
+    assert strip(seen) == strip(records)
+    assert all(np.isfinite(r["loss"]) and "clip_fraction" in str(r["metrics"]) for r in records)
+    # the plain rollout has no last_tasks: the batch's ids are what it trained
+    assert records[0]["tasks"]["trained"] == [str(i) for i in dataset().batch(0)["task_id"]]
+    assert result.updates == 3 and result.checkpoint == tmp_path / "checkpoints/step-00000003"
+    assert latest_checkpoint(tmp_path) == result.checkpoint
+    assert any(p.requires_grad for p in model.parameters())
+
+
+def test_resume_reproduces_an_uninterrupted_run_bit_for_bit(tmp_path: Path) -> None:
+    straight, _ = run(tmp_path / "a", 6, checkpoint_every=2)
+    run(tmp_path / "b", 5, checkpoint_every=2)
+    # The run died after step 5 but before its checkpoint: only step-4 survives.
+    shutil.rmtree(tmp_path / "b/checkpoints/step-00000005")
+    assert len(read_records(tmp_path / "b")) == 5
+    resumed, second = run(tmp_path / "b", 6, seed=99, checkpoint_every=2, resume=True)
+    assert second.resumed_from == tmp_path / "b/checkpoints/step-00000004"
+    assert same_weights(straight, resumed)
+    assert strip(read_records(tmp_path / "a")) == strip(read_records(tmp_path / "b"))
+    # keep=2: only the two newest checkpoints stay
+    names = [p.name for p in _checkpoint.checkpoints(tmp_path / "b/checkpoints")]
+    assert names == ["step-00000004", "step-00000006"]
+
+
+@pytest.mark.parametrize("damage", ["truncate", "flip", "manifest"])
+def test_a_corrupt_checkpoint_is_refused_and_the_previous_one_used(
+    tmp_path: Path, damage: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    run(tmp_path, 4, checkpoint_every=2)
+    newest = tmp_path / "checkpoints/step-00000004"
+    target = newest / ("manifest.json" if damage == "manifest" else "model.safetensors")
+    data = target.read_bytes()
+    if damage == "truncate":
+        target.write_bytes(data[: len(data) // 2])
+    elif damage == "flip":
+        target.write_bytes(data[:-1] + bytes([data[-1] ^ 1]))
+    else:
+        target.unlink()
+    model, opt = parts()
+    with pytest.raises(CheckpointError, match=str(target.name)):
+        _checkpoint.load(newest, model=model, optimizer=opt)
+    with pytest.raises(CheckpointError, match=str(target.name)):
+        fit(model, opt, dataset(), rollout, GRPOObjective(), steps=4, resume=newest)
+    _, result = run(tmp_path, 4, checkpoint_every=2, resume=True)
+    assert result.resumed_from == tmp_path / "checkpoints/step-00000002"
+    assert "refusing checkpoint" in caplog.text and target.name in caplog.text
+    assert [r["step"] for r in read_records(tmp_path)] == [1, 2, 3, 4]
+    assert latest_checkpoint(tmp_path) == newest  # rewritten whole by the resumed run
+
+
+class FailingOptimizer(torch.optim.AdamW):
+    """An optimizer whose state cannot be saved: a checkpoint write dies midway."""
+
+    fail = False
+
+    def state_dict(self) -> dict[str, Any]:
+        if self.fail:
+            raise OSError("disk full")
+        return super().state_dict()
+
+
+def test_a_failed_write_leaves_the_previous_checkpoint_whole(tmp_path: Path) -> None:
+    model = make_model(size="tiny", max_positions=64)
+    opt = FailingOptimizer(model.parameters(), lr=1e-3)
+    fit(model, opt, dataset(), rollout, GRPOObjective(), steps=2, run_dir=tmp_path)
+    opt.fail = True
+    with pytest.raises(OSError, match="disk full"):
+        fit(model, opt, dataset(), rollout, GRPOObjective(), steps=3, run_dir=tmp_path, resume=True)
+    folder = tmp_path / "checkpoints"
+    assert [p.name for p in folder.iterdir()] == ["step-00000002"]
+    _checkpoint.verify(folder / "step-00000002")
+    # A process killed mid-write leaves a temporary folder: ignored, then cleaned up.
+    (folder / ".tmp-step-00000003-123").mkdir()
+    (folder / ".tmp-step-00000003-123/model.safetensors").write_bytes(b"partial")
+    assert latest_checkpoint(tmp_path) == folder / "step-00000002"
+    assert not list(folder.glob(".tmp-*"))
+
+
+class AheadRollout:
+    """A rollout with ``ahead`` and ``tasks``: records what was read before each call."""
+
+    def __init__(self, ahead: int) -> None:
+        self.ahead = ahead
+        self.read: list[int] = []
+        self.seen_at_call: list[int] = []
+        self.opened = 0
+
+    def tasks(self, data: Dataset) -> Dataset:
+        def opened() -> None:
+            self.opened += 1
+
+        return data.observed(lambda b: self.read.append(int(b["task_id"][0])), opened)
+
+    def __call__(self, model: Any, batch: Batch, *, updates: int) -> Batch:
+        self.seen_at_call.append(len(self.read))
+        return rollout(model, batch, updates=updates)
+
+
+def test_the_reader_stays_ahead_by_the_rollouts_ahead(tmp_path: Path) -> None:
+    r = AheadRollout(ahead=2)
+    model, opt = parts()
+    fit(model, opt, dataset(), r, GRPOObjective(), steps=3)
+    assert r.opened == 1
+    assert r.seen_at_call == [3, 4, 5]  # call n sees batches 0..n+2 read
+
+
+def test_bad_arguments_are_refused(tmp_path: Path) -> None:
+    model, opt = parts()
+    args = (model, opt, dataset(), rollout, GRPOObjective())
+    with pytest.raises(ValueError, match="steps=-1"):
+        fit(*args, steps=-1)
+    with pytest.raises(ValueError, match="checkpoint_every=0"):
+        fit(*args, steps=1, checkpoint_every=0)
+    with pytest.raises(ValueError, match="prefetch=1 must be >= the rollout's ahead=2"):
+        fit(model, opt, dataset(), AheadRollout(2), GRPOObjective(), steps=1, prefetch=1)
+    with pytest.raises(ValueError, match="resume=True needs run_dir"):
+        fit(*args, steps=1, resume=True)
+    fit(*args, steps=1, run_dir=tmp_path)
+    with pytest.raises(ValueError, match="already holds checkpoints"):
+        fit(*args, steps=2, run_dir=tmp_path)
+    with pytest.raises(CheckpointError, match="no such run or checkpoint folder"):
+        fit(*args, steps=2, resume=tmp_path / "nowhere")
+
+
+def test_records_are_json_lines(tmp_path: Path) -> None:
+    run(tmp_path, 2)
+    lines = (tmp_path / "records.jsonl").read_text().splitlines()
+    assert [json.loads(line)["step"] for line in lines] == [1, 2]
