@@ -162,6 +162,7 @@ def test_any_sequence_of_prompts_and_array_prompts(server: RolloutServer) -> Non
 
 def test_dataset_column_prompts(server: RolloutServer) -> None:
     import datasets
+
     table = datasets.Dataset.from_dict({"prompt": ["12=", "345="]})
     with PromptSource(
         server, table["prompt"], Recorder(0.0), tokenizer=TOK, max_tokens=2
