@@ -21,7 +21,7 @@ def python(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess[s
 def test_help_imports_nothing_heavy() -> None:
     out = python("-m", "dew.cli", "--help")
     assert out.returncode == 0, out.stderr
-    assert "demo" in out.stdout and "plot" in out.stdout
+    assert "demo" in out.stdout and "plot" in out.stdout and "plan" in out.stdout
     # Parse every command line as the entry point would; nothing heavy may load.
     probe = (
         "import sys\n"
@@ -59,3 +59,32 @@ def test_usage_errors_are_one_clear_line(tmp_path: Path) -> None:
     out = python("-m", "dew.cli", "demo", "--resume", str(tmp_path))
     assert out.returncode != 0
     assert "not a dew demo run folder" in out.stderr and "Traceback" not in out.stderr
+
+
+@pytest.mark.timeout(120)
+def test_plan_command_prints_each_policy() -> None:
+    out = python(
+        "-m",
+        "dew.cli",
+        "plan",
+        "--preset",
+        "dapo-moments",
+        "--tasks",
+        "8",
+        "--group",
+        "4",
+        "--T",
+        "1x",
+        "--policies",
+        "0;1",
+        "--steps",
+        "3",
+        "--warmup",
+        "1",
+    )
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    assert any(line.startswith("sync") for line in lines)
+    assert any(line.startswith("ahead 1") for line in lines)
+    help_out = python("-m", "dew.cli", "plan", "--help")
+    assert help_out.returncode == 0 and "--preset" in help_out.stdout

@@ -1,4 +1,5 @@
-"""The ``dew`` command: ``dew demo`` trains the example task, ``dew plot`` redraws a run.
+"""The ``dew`` command: ``dew demo`` trains the example task, ``dew plot`` redraws a run,
+``dew plan`` predicts how each scheduling policy would use an engine.
 
 Parsing imports nothing heavy: torch, transformers and matplotlib load only inside
 the command that needs them, so ``dew --help`` answers at once.
@@ -85,10 +86,23 @@ def parser() -> argparse.ArgumentParser:
     plot.add_argument("run_dir", metavar="RUN_DIR")
     plot.add_argument("--out", default=None, help="output file (default RUN_DIR/plot.png)")
     plot.set_defaults(run=_plot)
+
+    plan = sub.add_parser(
+        "plan",
+        add_help=False,  # `dew plan --help` is the planner's own help
+        help="predict each scheduling policy's throughput and lag (dew plan --help)",
+    )
+    plan.add_argument("args", nargs=argparse.REMAINDER)  # main() hands these to the planner
     return p
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["plan"]:
+        # argparse cannot hand a subcommand's leading options through untouched.
+        from dew.plan.cli import main as plan_main
+
+        return plan_main(argv[1:])
     args = parser().parse_args(argv)
     run: Callable[[argparse.Namespace], int] = args.run
     return run(args)
