@@ -57,6 +57,7 @@ class DemoConfig:
     estimator: str = "group"
     clip_high: float | None = None  # DAPO's clip-higher: keeps exploration alive
     digits: tuple[int, int] = (2, 4)  # single task: shortest and longest digit string
+    stop_weight: float = 1.0  # single task: credit for stopping, in digit positions
     checkpoint_every: int = 20
     tasks: int = 4096  # rows of the task dataset
 
@@ -131,7 +132,12 @@ def _single(config: DemoConfig, server: Any, tokenizer: Any) -> TaskParts:
 
     low, high = config.digits
     task = tasks.make_task(
-        config.tasks, seed=config.seed, tokenizer=tokenizer, min_digits=low, max_digits=high
+        config.tasks,
+        seed=config.seed,
+        tokenizer=tokenizer,
+        min_digits=low,
+        max_digits=high,
+        stop_weight=config.stop_weight,
     )
     source = PromptSource(
         server,
@@ -188,18 +194,21 @@ TASKS: dict[str, Callable[[DemoConfig, Any, Any], TaskParts]] = {
 
 # Settings per task, tuned so each demo learns within minutes on 2 CPU cores.
 TASK_DEFAULTS: dict[str, dict[str, Any]] = {
-    # Copy one digit, then stop: the stop token is learned within ~50 steps, the
-    # digit (copied from the prompt) over the next several hundred, when it is learned
-    # at all: some runs collapse onto one digit first. Sampling at temperature 1.5 and
-    # clip_high slow that collapse down.
+    # Copy three digits, credit per right digit (the stop token earns nothing: with
+    # max_tokens equal to the answer length every completion ends on the third token).
+    # Each output copies the token a fixed three positions back, so every rollout
+    # carries three signals of the same skill. An untrained model scores ~0.01 and
+    # random digits 0.1; these settings climb past 0.8 within ~300 steps without the
+    # entropy collapse that a higher lr or a stop reward (learned first) brought.
     "single": {
-        "steps": 1500,
-        "lr": 3e-3,
-        "temperature": 1.5,
+        "steps": 600,
+        "lr": 1e-3,
+        "temperature": 1.0,
         "group_size": 16,
         "batch_size": 8,
         "max_tokens": 3,
-        "digits": (1, 1),
+        "digits": (3, 3),
+        "stop_weight": 0.0,
         "estimator": "group_std",
         "clip_high": 0.28,
         "truncation": "score",

@@ -43,13 +43,19 @@ def make_prompts(n: int, *, seed: int = 0, min_digits: int = 2, max_digits: int 
     ]
 
 
-def score(answer: Sequence[int], completion: Sequence[int], eos: int) -> dict[str, float]:
+def score(
+    answer: Sequence[int], completion: Sequence[int], eos: int, *, stop_weight: float = 1.0
+) -> dict[str, float]:
     """Position-wise credit of ``completion`` (raw ids, stop token included) against
-    ``answer`` ids followed by ``eos``: ``digits`` + ``stop`` = share of positions right."""
+    ``answer`` ids followed by ``eos``: each digit position weighs 1 and the stop
+    position ``stop_weight``; ``digits`` + ``stop`` = weighted share of positions right."""
+    if stop_weight < 0:
+        raise ValueError(f"stop_weight must be >= 0, got {stop_weight}")
     target = [*answer, eos]
     got = list(completion)
     right = [i < len(got) and got[i] == t for i, t in enumerate(target)]
-    return {"digits": sum(right[:-1]) / len(target), "stop": right[-1] / len(target)}
+    total = len(answer) + stop_weight
+    return {"digits": sum(right[:-1]) / total, "stop": stop_weight * right[-1] / total}
 
 
 @dataclass(frozen=True)
@@ -61,14 +67,23 @@ class DigitTask:
     answers: list[list[int]]
     eos: int
     max_prompt: int
+    stop_weight: float = 1.0
 
     def verifier(self, task: Task, completion: str | list[int], call: Call) -> dict[str, float]:
         """PromptSource verifier: scores ``call.completion`` against the task's digits."""
-        return score(self.answers[int(task.id)], [int(t) for t in call.completion], self.eos)
+        completion_ids = [int(t) for t in call.completion]
+        answer = self.answers[int(task.id)]
+        return score(answer, completion_ids, self.eos, stop_weight=self.stop_weight)
 
 
 def make_task(
-    n: int, *, seed: int = 0, tokenizer: Any = None, min_digits: int = 2, max_digits: int = 4
+    n: int,
+    *,
+    seed: int = 0,
+    tokenizer: Any = None,
+    min_digits: int = 2,
+    max_digits: int = 4,
+    stop_weight: float = 1.0,
 ) -> DigitTask:
     """``n`` copy tasks over ``tokenizer`` (default: the demo's character tokenizer)."""
     if tokenizer is None:
@@ -88,4 +103,5 @@ def make_task(
         answers=answers,
         eos=int(tokenizer.eos_token_id),
         max_prompt=max(map(len, prompts)),
+        stop_weight=stop_weight,
     )
