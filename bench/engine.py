@@ -26,8 +26,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import os
-import platform
-import re
 import statistics
 import sys
 import threading
@@ -39,10 +37,13 @@ from typing import TypeVar
 import torch
 import transformers
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/_results.py
+import _results
+from _results import machine, write_section
 from dew.demo.model import make_model
 from dew.serving import RolloutServer
 
-RESULTS = Path(__file__).resolve().parent / "RESULTS.md"
+RESULTS = _results.RESULTS
 T = TypeVar("T")
 
 
@@ -198,34 +199,6 @@ def latency(size: str, long: int, long_tokens: int, seed: int) -> tuple[float, f
     return alone, beside, batch_time
 
 
-def _machine() -> str:
-    model = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                model = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return (
-        f"{model}, {os.cpu_count()} CPUs (nproc), torch {torch.__version__} "
-        f"({torch.get_num_threads()} threads), transformers {transformers.__version__}, "
-        f"Python {platform.python_version()}"
-    )
-
-
-def write_section(text: str, path: Path = RESULTS) -> None:
-    """Replace the ``## engine`` section of ``path`` (or add it), keeping the others."""
-    old = path.read_text() if path.exists() else "# Benchmark results\n"
-    section = text.rstrip("\n") + "\n"
-    pattern = re.compile(r"^## engine\n.*?(?=^## |\Z)", re.S | re.M)
-    if pattern.search(old):
-        new = pattern.sub(lambda _: section + "\n", old, count=1).rstrip("\n") + "\n"
-    else:
-        new = old.rstrip("\n") + "\n\n" + section
-    path.write_text(new)
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--sizes", default="small,base", help="demo model sizes (comma-separated)")
@@ -268,10 +241,14 @@ def main() -> None:
     print(lat)
     if args.write:
         command = " ".join([".venv/bin/python", "bench/engine.py", *sys.argv[1:]])
+        host = machine(
+            f"torch {torch.__version__} ({torch.get_num_threads()} threads)",
+            f"transformers {transformers.__version__}",
+        )
         write_section(
             "## engine\n\n"
             f"Command: `{command}`  \n"
-            f"Machine: {_machine()}  \n"
+            f"Machine: {host}  \n"
             f"Date: {datetime.date.today().isoformat()} (1-minute load average "
             f"{load_before:.1f} before, {os.getloadavg()[0]:.1f} after: a shared machine)\n\n"
             f"Static batch: {args.batch} prompts (8-24 tokens) x {args.new} new tokens, "

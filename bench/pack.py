@@ -21,8 +21,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import os
-import platform
-import re
 import statistics
 import sys
 import time
@@ -30,10 +28,13 @@ from pathlib import Path
 
 import numpy as np
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/_results.py
+import _results
+from _results import machine, write_section
 from dew.objectives.rl.pack import pack
 from dew.objectives.rl.sessions import Call, Rollout, RolloutKey, Status, Task, chains
 
-RESULTS = Path(__file__).resolve().parent / "RESULTS.md"
+RESULTS = _results.RESULTS
 GROUP = 8
 VOCAB = 150_000
 
@@ -145,37 +146,10 @@ def measure(
     return statistics.median(rates), stats.tokens, stats.padding_share, stats.groups_cut
 
 
-def _machine() -> str:
-    model = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                model = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return (
-        f"{model}, {os.cpu_count()} CPUs, {platform.system()} {platform.release()}, "
-        f"Python {platform.python_version()}, numpy {np.__version__}"
-    )
-
-
 def _command() -> str:
     cmd = " ".join([".venv/bin/python", "bench/pack.py", *sys.argv[1:]])
     cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
     return f"taskset -c {cpus[0]} {cmd}" if len(cpus) == 1 else cmd
-
-
-def write_section(text: str, path: Path = RESULTS) -> None:
-    """Replace the ``## pack`` section of ``path`` (or add it), keeping the others."""
-    old = path.read_text() if path.exists() else "# Benchmark results\n"
-    section = text.rstrip("\n") + "\n"
-    pattern = re.compile(r"^## pack\n.*?(?=^## |\Z)", re.S | re.M)
-    if pattern.search(old):
-        new = pattern.sub(lambda _: section + "\n", old, count=1).rstrip("\n") + "\n"
-    else:
-        new = old.rstrip("\n") + "\n\n" + section
-    path.write_text(new)
 
 
 def main() -> None:
@@ -214,6 +188,7 @@ def main() -> None:
         lines.append(line)
 
     if args.write:
+        host = machine(f"numpy {np.__version__}")
         date = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d")
         body = "\n".join(f"- {line}" for line in lines)
         support = (
@@ -229,7 +204,7 @@ def main() -> None:
             "(target: 1,000,000). Token sequences handed over as Python lists and as numpy "
             f"arrays{support}.\n\n"
             f"- command: `{_command()}`\n"
-            f"- machine: {_machine()}\n"
+            f"- machine: {host}\n"
             f"- date: {date}\n"
             f"{body}\n"
         )

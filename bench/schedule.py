@@ -29,8 +29,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import os
-import platform
-import re
 import sys
 import time
 from dataclasses import dataclass
@@ -38,12 +36,15 @@ from pathlib import Path
 
 import numpy as np
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/_results.py
+import _results
+from _results import machine, write_section
 from dew.plan._trace import Figures, summarize
 from dew.plan.planner import Policy, Scenario, simulate
 from dew.plan.sim import run_scheduler
 
 HERE = Path(__file__).resolve().parent
-RESULTS = HERE / "RESULTS.md"
+RESULTS = _results.RESULTS
 PLOT = HERE / "schedule.png"
 QUANTUM = {"dapo": 16, "dapo-moments": 16, "longcot": 64}  # simulated tokens per token id
 
@@ -247,30 +248,6 @@ def plot(rows: list[Row], path: Path) -> None:
     plt.close(fig)
 
 
-def _machine() -> str:
-    model = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                model = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return f"{model}, {os.cpu_count()} CPUs, Python {platform.python_version()}"
-
-
-def write_section(text: str, path: Path = RESULTS) -> None:
-    """Replace the ``## schedule`` section of ``path`` (or append it), keeping the others."""
-    old = path.read_text() if path.exists() else "# Benchmark results\n"
-    section = text.rstrip("\n") + "\n"
-    pattern = re.compile(r"^## schedule\n.*?(?=^## |\Z)", re.S | re.M)
-    if pattern.search(old):
-        new = pattern.sub(lambda _: section + "\n", old, count=1).rstrip("\n") + "\n"
-    else:
-        new = old.rstrip("\n") + "\n\n" + section
-    path.write_text(new)
-
-
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--presets", default="dapo,dapo-moments,longcot")
@@ -320,6 +297,7 @@ def main(argv: list[str] | None = None) -> None:
         return
     plot(rows, PLOT)
     cmd = " ".join([".venv/bin/python", "bench/schedule.py", *sys.argv[1:]])
+    host = machine()
     parts = [
         "## schedule",
         "",
@@ -336,7 +314,7 @@ def main(argv: list[str] | None = None) -> None:
         "window's batches were partly generated before it.",
         "",
         f"- command: `{cmd}`",
-        f"- machine: {_machine()} (shared with other jobs; load average "
+        f"- machine: {host} (shared with other jobs; load average "
         f"{os.getloadavg()[0]:.1f} at the end)",
         f"- date: {datetime.date.today().isoformat()}, wall time {elapsed:.0f} s",
         "",
