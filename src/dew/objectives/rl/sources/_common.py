@@ -17,10 +17,33 @@ A template that rewrites earlier turns is refused with a clear error.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
-from typing import Any
+import threading
+from collections.abc import Collection, Mapping, Sequence
+from typing import Any, Protocol
 
-__all__ = ["ChatTokens", "error_text", "parse_reward", "token_ids"]
+from dew.objectives.rl.sessions import Call
+
+__all__ = ["ChatTokens", "Engine", "error_text", "parse_reward", "token_ids"]
+
+
+class Engine(Protocol):
+    """What a source needs of an engine; ``dew.serving.RolloutServer`` is one."""
+
+    @property
+    def version(self) -> int: ...
+
+    def generate(
+        self,
+        prompt: Sequence[int],
+        *,
+        max_tokens: int,
+        temperature: float = 1.0,
+        top_k: int | None = None,
+        top_p: float | None = None,
+        stop_ids: Collection[int] = (),
+        stop: threading.Event | None = None,
+    ) -> Call: ...
+
 
 _MARK = "\x00dew-marker\x00"
 

@@ -28,11 +28,11 @@ import json
 import logging
 import secrets
 import threading
-from collections.abc import AsyncIterator, Callable, Collection, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import Executor
 from dataclasses import dataclass
 from functools import partial
-from typing import Any, Protocol
+from typing import Any
 
 import numpy as np
 from fastapi import FastAPI, Request
@@ -42,6 +42,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from dew.objectives.rl.sessions import Call
 from dew.objectives.rl.sources import _gateway_protocol as wire
 from dew.objectives.rl.sources import _gateway_responses as shape
+from dew.objectives.rl.sources._common import Engine
 from dew.objectives.rl.sources._gateway_protocol import RequestError, Sampling
 from dew.objectives.rl.sources._gateway_responses import Choice
 from dew.objectives.rl.sources._gateway_sessions import Admission, SessionTable
@@ -54,30 +55,11 @@ from dew.objectives.rl.sources._gateway_text import (
     single_token_stops,
 )
 
-__all__ = ["Engine", "GatewayConfig", "build_app"]
+__all__ = ["GatewayConfig", "build_app"]
 
 log = logging.getLogger("dew.gateway")
 
 _NO_RETRY = {"x-should-retry": "false"}
-
-
-class Engine(Protocol):
-    """What the gateway needs of an engine (``dew.serving.RolloutServer`` is one)."""
-
-    @property
-    def version(self) -> int: ...
-
-    def generate(
-        self,
-        prompt: Sequence[int],
-        *,
-        max_tokens: int,
-        temperature: float = 1.0,
-        top_k: int | None = None,
-        top_p: float | None = None,
-        stop_ids: Collection[int] = (),
-        stop: threading.Event | None = None,
-    ) -> Call: ...
 
 
 @dataclass(frozen=True)

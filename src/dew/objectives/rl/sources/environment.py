@@ -44,8 +44,8 @@ from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any, Protocol, runtime_checkable
 
 from dew.objectives.rl.sessions import Call, Rollout, RolloutKey, Status, Task, ThreadedSource
-from dew.objectives.rl.sources._common import ChatTokens, error_text, parse_reward
-from dew.objectives.rl.sources.prompts import Generator, check_sampling, default_stop_ids
+from dew.objectives.rl.sources._common import ChatTokens, Engine, error_text, parse_reward
+from dew.objectives.rl.sources.prompts import check_sampling, default_stop_ids
 from dew.serving import Aborted
 
 __all__ = ["AgentError", "Environment", "EnvironmentSource", "Observation"]
@@ -94,7 +94,7 @@ class EnvironmentSource(ThreadedSource):
 
     def __init__(
         self,
-        server: Generator,
+        server: Engine,
         make_env: Callable[[], Environment],
         *,
         tokenizer: Any,

@@ -49,7 +49,8 @@ from typing import Any
 import uvicorn
 
 from dew.objectives.rl.sessions import RolloutKey, Task
-from dew.objectives.rl.sources._gateway_app import Engine, GatewayConfig, build_app
+from dew.objectives.rl.sources._common import Engine
+from dew.objectives.rl.sources._gateway_app import GatewayConfig, build_app
 from dew.objectives.rl.sources._gateway_harness import (
     HarnessEndpoint,
     HarnessOutcome,

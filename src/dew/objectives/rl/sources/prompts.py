@@ -32,31 +32,21 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Collection, Mapping, Sequence
-from typing import Any, Protocol
+from typing import Any
 
 from dew.objectives.rl.sessions import Call, Rollout, RolloutKey, Status, Task, ThreadedSource
-from dew.objectives.rl.sources._common import ChatTokens, error_text, parse_reward, token_ids
+from dew.objectives.rl.sources._common import (
+    ChatTokens,
+    Engine,
+    error_text,
+    parse_reward,
+    token_ids,
+)
 from dew.serving import Aborted
 
-__all__ = ["Generator", "PromptSource", "Verifier"]
+__all__ = ["PromptSource", "Verifier"]
 
 Verifier = Callable[[Task, "str | list[int]", Call], "float | Mapping[str, float]"]
-
-
-class Generator(Protocol):
-    """What a source needs of an engine (``dew.serving.RolloutServer`` is one)."""
-
-    def generate(
-        self,
-        prompt: Sequence[int],
-        *,
-        max_tokens: int,
-        temperature: float = 1.0,
-        top_k: int | None = None,
-        top_p: float | None = None,
-        stop_ids: Collection[int] = (),
-        stop: threading.Event | None = None,
-    ) -> Call: ...
 
 
 def default_stop_ids(server: object, tokenizer: Any) -> list[int]:
@@ -98,7 +88,7 @@ class PromptSource(ThreadedSource):
 
     def __init__(
         self,
-        server: Generator,
+        server: Engine,
         prompts: Sequence[Any],
         verifier: Verifier,
         *,
