@@ -46,6 +46,19 @@ def test_partial_credit() -> None:
     assert score(answer, ids("407"), EOS) == {"digits": 0.75, "stop": 0.0}  # never stopped
     assert score(answer, [*ids("4071"), EOS], EOS)["stop"] == 0.0  # stopped late
     assert sum(score(answer, [EOS], EOS).values()) == 0.0
+    # the stop weighs stop_weight digit positions; at 0 only the digits count
+    assert score(answer, [*ids("4x7"), EOS], EOS, stop_weight=0.0) == {
+        "digits": pytest.approx(2 / 3),
+        "stop": 0.0,
+    }
+    assert score(answer, ids("407"), EOS, stop_weight=0.0)["digits"] == 1.0
+    assert score(answer, [*ids("40"), EOS], EOS, stop_weight=0.5) == {
+        "digits": pytest.approx(2 / 3.5),
+        "stop": 0.0,
+    }
+    assert score(answer, [*answer, EOS], EOS, stop_weight=0.5)["stop"] == pytest.approx(0.5 / 3.5)
+    with pytest.raises(ValueError, match="stop_weight"):
+        score(answer, answer, EOS, stop_weight=-1.0)
     task = make_task(5, seed=0, tokenizer=TOK)
     right = [*task.answers[2], EOS]
     call = Call(
@@ -56,18 +69,57 @@ def test_partial_credit() -> None:
         finish_reason="stop",
     )
     assert sum(task.verifier(Task("2"), right[:-1], call).values()) == 1.0
+    digits_only = make_task(5, seed=0, tokenizer=TOK, stop_weight=0.0)
+    wrong_stop = Call(
+        prompt=task.prompts[2],
+        completion=right[:-1],  # all digits right, no stop: full credit when it is worth 0
+        log_probs=[0.0] * (len(right) - 1),
+        version=0,
+        finish_reason="length",
+    )
+    assert sum(digits_only.verifier(Task("2"), right[:-1], wrong_stop).values()) == 1.0
+    assert sum(task.verifier(Task("2"), right[:-1], wrong_stop).values()) < 1.0
+
+
+def demo_settings() -> dict:
+    """The single task exactly as ``dew demo`` builds it."""
+    from dew.demo.run import DemoConfig
+
+    config = DemoConfig.for_task("single")
+    low, high = config.digits
+    task = {"min_digits": low, "max_digits": high, "stop_weight": config.stop_weight}
+    return {"task": task, "max_tokens": config.max_tokens}
+
+
+def test_the_demo_settings_allow_full_credit() -> None:
+    settings = demo_settings()
+    task = make_task(32, seed=0, tokenizer=TOK, **settings["task"])
+    for prompt, answer in zip(task.prompts, task.answers, strict=True):
+        best = [*answer, EOS][: settings["max_tokens"]]  # what a perfect policy emits
+        call = Call(prompt, best, [0.0] * len(best), 0, "stop")
+        assert sum(score(answer, call.completion, EOS, stop_weight=task.stop_weight).values()) == 1
 
 
 @pytest.mark.timeout(120)
-def test_an_untrained_model_is_far_below_the_goal() -> None:
-    task = make_task(64, seed=0, tokenizer=TOK)
+@pytest.mark.parametrize("which", ["defaults", "demo"])
+def test_an_untrained_model_is_far_below_the_goal(which: str) -> None:
+    settings = demo_settings() if which == "demo" else {"task": {}, "max_tokens": 8}
+    task = make_task(64, seed=0, tokenizer=TOK, **settings["task"])
     with (
         RolloutServer(make_model("qwen2", "tiny", seed=0), seed=0) as server,
-        PromptSource(server, task.prompts, task.verifier, max_tokens=8, workers=16) as source,
+        PromptSource(
+            server,
+            task.prompts,
+            task.verifier,
+            max_tokens=settings["max_tokens"],
+            stop_ids=[EOS],
+            workers=16,
+        ) as source,
     ):
         sessions = [source.start(Task(str(i)), RolloutKey(0, i, 0)) for i in range(64)]
         rollouts = [s.result(timeout=60) for s in sessions]
     assert {r.status for r in rollouts} <= {Status.COMPLETED, Status.TRUNCATED}
     rewards = np.array([r.reward for r in rollouts], dtype=float)
-    assert rewards.mean() < 0.2  # chance is about one position in a hundred
+    # chance is about one position in a hundred; guessing digits only would get 0.1
+    assert rewards.mean() < 0.1
     assert ((rewards >= 0) & (rewards <= 1)).all()

@@ -2,15 +2,21 @@
 
 A prompt is ``"<digits>="`` (for example ``"4071="``); the answer is the same digits
 followed by the end-of-sequence token. The verifier gives partial credit position by
-position: the reward is the share of answer positions (each digit, then the stop token
-right after the last digit) that the completion got right, so it lies in [0, 1] and is
-reported as two parts, ``digits`` and ``stop``, that sum to it.
+position: each digit position the completion got right earns one share, the stop
+token right after the last digit earns ``stop_weight`` shares, and the reward is the
+earned part of all shares, so it lies in [0, 1] and is reported as two parts,
+``digits`` and ``stop``, that sum to it.
 
 Why this task: a randomly initialized model over the ~100-token demo vocabulary
-scores about 0.01 (one position in a hundred by chance), far below anything a trained
-policy reaches, yet every correct position is rewarded on its own, so GRPO gets a
-signal from the first step and a tiny model learns it on a CPU in minutes (first to
-emit digits, then the right ones, then to stop).
+scores about 0.01 (one position in a hundred by chance) and a policy that only learned
+to write digits about 0.1, far below anything a trained policy reaches, yet every
+correct position is rewarded on its own, so GRPO gets a signal from the first step
+and a tiny model learns it on a CPU in minutes. With answers of one fixed length,
+every output digit copies the token the same distance back, so one learned attention
+pattern serves all positions. The stop credit is adjustable because stopping is far
+easier than copying: at full weight it is learned in a few dozen steps and lifts the
+reward well above chance before any digit is copied; the demo sets it to 0 and caps
+completions at the answer's length instead.
 
 ``make_task(n, seed=..., tokenizer=...)`` builds ``n`` tasks with ids ``"0" ..
 str(n - 1)`` (the trainer's ``task_id`` rows); the result carries the prompts as token
