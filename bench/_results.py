@@ -46,3 +46,36 @@ def write_section(text: str, path: Path = RESULTS) -> None:
     else:
         new = old.rstrip("\n") + "\n\n" + section
     path.write_text(new)
+
+
+SUMMARY_HEADER = (
+    "## summary\n\n"
+    "One row per benchmark, written by the benchmark itself when run with `--write` "
+    "(its section below has the command, machine and date).\n\n"
+    "| benchmark | measured | target | status |\n"
+    "|---|---|---|---|\n"
+)
+
+
+def write_summary_row(
+    name: str, measured: str, target: str, status: str, path: Path = RESULTS
+) -> None:
+    """Set the summary table's row for ``name`` (added when missing), keeping the others."""
+    row = f"| {name} | {measured} | {target} | {status} |"
+    text = path.read_text() if path.exists() else "# Benchmark results\n"
+    section = re.search(r"^## summary\n.*?(?=^## |\Z)", text, re.S | re.M)
+    if section is None:
+        title, _, rest = text.partition("\n")
+        text = f"{title}\n\n{SUMMARY_HEADER}\n{rest.lstrip(chr(10))}"
+        section = re.search(r"^## summary\n.*?(?=^## |\Z)", text, re.S | re.M)
+        assert section is not None
+    body = section.group(0)
+    lines = body.rstrip("\n").split("\n")
+    mine = [i for i, line in enumerate(lines) if line.startswith(f"| {name} |")]
+    if mine:
+        lines[mine[0]] = row
+    else:
+        last = max(i for i, line in enumerate(lines) if line.startswith("|"))
+        lines.insert(last + 1, row)
+    new_body = "\n".join(lines) + "\n\n"
+    path.write_text(text[: section.start()] + new_body + text[section.end() :])

@@ -38,7 +38,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/_results.py
 import _results
-from _results import machine, write_section
+from _results import machine, write_section, write_summary_row
 from dew.plan._trace import Figures, summarize
 from dew.plan.planner import Policy, Scenario, simulate
 from dew.plan.sim import run_scheduler
@@ -328,6 +328,22 @@ def main(argv: list[str] | None = None) -> None:
         cr = [r for r in rows if (r.preset, r.tasks, r.group, r.t_ratio) == cell]
         parts += ["", f"### {cell[0]} {cell[1]}x{cell[2]} T={cell[3]}x", "", table(cr)]
     write_section("\n".join(parts) + "\n")
+    within = sum(abs(r.ratio - 1) <= 0.05 for r in rows)
+    write_summary_row(
+        "schedule: real vs planner",
+        summary[0][2:],
+        "every policy within 5% of the planner's fraction",
+        "met" if within == len(rows) else f"NOT met ({within}/{len(rows)})",
+    )
+    for name, prefix, target in (
+        ("schedule: longcot ahead 2", "- longcot", ">= 0.95 of the limit"),
+        ("schedule: dapo 128x16 best policy", "- dapo", ">= 0.9 of the limit (samples/s)"),
+    ):
+        found = [line[2:] for line in summary if line.startswith(prefix)]
+        if found:
+            missed = [line for line in found if "MISSED" in line]
+            status = "met" if not missed else f"NOT met in {len(missed)} of {len(found)}"
+            write_summary_row(name, "; ".join(found), target, status)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,42 @@
+"""bench/_results.py keeps RESULTS.md's other sections and summary rows as they were."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+BENCH = Path(__file__).resolve().parents[2] / "bench"
+
+
+def results_module() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("bench_results", BENCH / "_results.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_sections_and_summary_rows_replace_only_their_own(tmp_path: Path) -> None:
+    r = results_module()
+    path = tmp_path / "RESULTS.md"
+    r.write_section("## pack\n\nfirst\n", path)
+    r.write_section("## engine\n\nengine text\n", path)
+    r.write_summary_row("pack", "1 tok/s", "2 tok/s", "NOT met", path)
+    r.write_summary_row("engine", "1.1x", "1x", "met", path)
+    r.write_section("## pack\n\nsecond\n", path)
+    r.write_summary_row("pack", "3 tok/s", "2 tok/s", "met", path)
+    text = path.read_text()
+    assert text.startswith("# Benchmark results\n\n## summary\n")
+    assert "| pack | 3 tok/s | 2 tok/s | met |" in text
+    assert "| engine | 1.1x | 1x | met |" in text
+    assert "1 tok/s" not in text and "first" not in text
+    assert "second" in text and "engine text" in text
+    assert text.index("## summary") < text.index("## pack") < text.index("## engine")
+
+
+def test_a_section_needs_a_header(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="## name"):
+        results_module().write_section("no header\n", tmp_path / "R.md")
