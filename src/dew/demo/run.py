@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import time
 from collections.abc import Callable, Mapping
 from contextlib import ExitStack
@@ -222,6 +223,17 @@ TASK_DEFAULTS: dict[str, dict[str, Any]] = {
 }
 
 
+def _join_pool(stack: ExitStack) -> Any:
+    """The torchrun job's pool when this process is one of several, else None."""
+    if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+        return None
+    from dew.pool import init_pool
+
+    pool = init_pool("gloo")
+    stack.callback(pool.close)
+    return pool
+
+
 def _default_run_dir() -> Path:
     return Path("runs") / time.strftime("demo-%Y%m%d-%H%M%S")
 
@@ -279,29 +291,42 @@ def run_demo(
     from dew.train import fit
 
     t0 = time.monotonic()
-    if resume is not None:
-        run = Path(resume)
-        stored = _load_config(run)
-        if config is not None and config.steps > stored.steps:
-            stored = dataclasses.replace(stored, steps=config.steps)
-        config = stored
-    else:
-        config = config or DemoConfig.for_task("single")
-        run = Path(run_dir) if run_dir is not None else _default_run_dir()
-        if (run / "checkpoints").exists():
-            raise DemoError(f"{run} already holds a run; continue it with --resume {run}")
-    run.mkdir(parents=True, exist_ok=True)
-    (run / "config.json").write_text(json.dumps(dataclasses.asdict(config), indent=2))
-
-    torch.manual_seed(config.seed)
-    tokenizer = make_tokenizer()
-    model = make_model(config.arch, config.size, seed=config.seed, max_positions=256)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr, weight_decay=0.0)
-    objective = GRPOObjective(temperature=config.temperature, clip_high=config.clip_high)
-    rows = config.batch_size * config.group_size
-    dataset = Dataset({"task_id": np.arange(config.tasks)}, batch_size=config.batch_size, seed=1)
     with ExitStack() as stack:
-        server = RolloutServer(model, max_batch=rows * (config.ahead + 1), seed=config.seed)
+        # Under torchrun every process runs this function; each trains on its own share
+        # of every task batch with its own engine and scheduler (see dew.pool).
+        pool = _join_pool(stack)
+        lead = pool is None or pool.rank == 0
+        if resume is not None:
+            run = Path(resume)
+            stored = _load_config(run)
+            if config is not None and config.steps > stored.steps:
+                stored = dataclasses.replace(stored, steps=config.steps)
+            config = stored
+        else:
+            config = config or DemoConfig.for_task("single")
+            run = Path(run_dir) if run_dir is not None else _default_run_dir()
+            if pool is not None:  # one folder for the job: rank 0's name
+                run = Path(pool.exchange("run_dir", str(run))[0])
+            if (run / "checkpoints").exists():
+                raise DemoError(f"{run} already holds a run; continue it with --resume {run}")
+        own = run if lead else run / f"rank{pool.rank}"  # type: ignore[union-attr]
+        own.mkdir(parents=True, exist_ok=True)
+        (own / "config.json").write_text(json.dumps(dataclasses.asdict(config), indent=2))
+
+        torch.manual_seed(config.seed)
+        tokenizer = make_tokenizer()
+        model = make_model(config.arch, config.size, seed=config.seed, max_positions=256)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr, weight_decay=0.0)
+        objective = GRPOObjective(temperature=config.temperature, clip_high=config.clip_high)
+        rows = config.batch_size * config.group_size
+        world = 1 if pool is None else pool.world
+        dataset = Dataset(
+            {"task_id": np.arange(config.tasks)}, batch_size=config.batch_size * world, seed=1
+        )
+        if pool is not None:
+            dataset = pool.dataset(dataset)
+        rank = 0 if pool is None else pool.rank
+        server = RolloutServer(model, max_batch=rows * (config.ahead + 1), seed=config.seed + rank)
         stack.callback(server.close)
         parts = TASKS[config.task](config, server, tokenizer)
         stack.callback(parts.close)
@@ -318,10 +343,19 @@ def run_demo(
             estimator=config.estimator,
         )
         stack.callback(scheduler.close)
+        if pool is not None:
+            from dew.pool import agreed_checkpoint, attach, average_gradients
+
+            attach(scheduler, pool)
+            stack.callback(average_gradients(model, pool).remove)
         log = []
-        saved = latest_checkpoint(run) if resume is not None else None
+        if pool is not None:
+            resume_from: bool | Path = agreed_checkpoint(own, pool) or False
+        else:
+            resume_from = resume is not None
+        saved = latest_checkpoint(own) if resume_from else None
         done = 0 if saved is None else int(saved.name.split("-")[1])
-        if progress:
+        if progress and lead:
             update, bar = _progress(config.steps, done)
             stack.callback(bar.close)
             log.append(update)
@@ -332,15 +366,19 @@ def run_demo(
             scheduler,
             objective,
             steps=config.steps,
-            run_dir=run,
+            run_dir=own,
             checkpoint_every=config.checkpoint_every,
-            resume=resume is not None,
+            resume=resume_from,
             log=log,
             config=dataclasses.asdict(config),
         )
+        if pool is not None:
+            from dew.pool import assert_synchronized
+
+            assert_synchronized(model, pool)  # every process holds the same weights
     drawn = None
-    if plot:
+    if plot and lead:
         from dew.plot import plot_run
 
         drawn = plot_run(run)
-    return DemoResult(run_dir=run, fit=result, seconds=time.monotonic() - t0, plot=drawn)
+    return DemoResult(run_dir=own, fit=result, seconds=time.monotonic() - t0, plot=drawn)
