@@ -1,0 +1,28 @@
+"""The README's example runs as written, so the front page never drifts from the code."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+README = Path(__file__).resolve().parents[1] / "README.md"
+
+
+@pytest.mark.timeout(300)
+def test_readme_example_trains_and_records(tmp_path: Path) -> None:
+    blocks = re.findall(r"```python\n(.*?)```", README.read_text(), re.S)
+    assert blocks, "the README has no python example"
+    script = tmp_path / "example.py"
+    script.write_text(blocks[0])
+    out = subprocess.run(
+        [sys.executable, str(script)], cwd=tmp_path, capture_output=True, text=True, timeout=240
+    )
+    assert out.returncode == 0, out.stderr[-4000:]
+    lines = (tmp_path / "runs" / "mine" / "records.jsonl").read_text().splitlines()
+    assert len(lines) == 3
+    assert all("scheduler" in json.loads(line) for line in lines)
