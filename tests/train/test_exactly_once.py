@@ -30,10 +30,11 @@ OUTCOMES = ("trained", "cut", "abandoned", "dropped")
 
 def start(run_dir: Path) -> subprocess.Popen[str]:
     env = dict(os.environ, PYTHONUNBUFFERED="1")
+    # stderr joins stdout: one pipe read to the end can never fill up and block the child.
     return subprocess.Popen(
         [sys.executable, str(TRAINER), str(run_dir), str(STEPS)],
         stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
         text=True,
         env=env,
     )
@@ -42,24 +43,27 @@ def start(run_dir: Path) -> subprocess.Popen[str]:
 def kill_after(proc: subprocess.Popen[str], steps: int, delay: float) -> bool:
     """SIGKILL ``proc`` ``delay`` s after its ``steps``-th step line; False if it finished."""
     assert proc.stdout is not None
-    seen = 0
-    for line in proc.stdout:
-        seen += line.startswith("step ")
-        if seen >= steps:
-            break
-    else:
-        proc.wait(timeout=60)
-        return False
     try:
-        proc.wait(timeout=delay)  # returns early only if it exits by itself
-    except subprocess.TimeoutExpired:
-        pass
-    proc.send_signal(signal.SIGKILL)
-    proc.wait(timeout=60)
-    proc.stdout.close()
-    assert proc.stderr is not None
-    proc.stderr.close()
-    return True
+        seen = 0
+        for line in proc.stdout:
+            seen += line.startswith("step ")
+            if seen >= steps:
+                break
+        else:
+            proc.wait(timeout=60)
+            return False
+        try:
+            proc.wait(timeout=delay)  # returns early only if it exits by itself
+        except subprocess.TimeoutExpired:
+            pass
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=60)
+        return True
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=60)
+        proc.stdout.close()
 
 
 @pytest.mark.timeout(300)
@@ -86,8 +90,8 @@ def test_every_task_is_trained_once_or_recorded_across_sigkills(tmp_path: Path) 
     assert resumed_behind >= 1, "no kill ever lost uncheckpointed steps; nothing was tested"
 
     final = start(run_dir)
-    _, err = final.communicate(timeout=120)
-    assert final.returncode == 0, err
+    out, _ = final.communicate(timeout=120)
+    assert final.returncode == 0, out
 
     records = read_records(run_dir)
     assert [r["step"] for r in records] == list(range(1, STEPS + 1))
