@@ -346,26 +346,35 @@ def _assemble(placed: _Placed, rows: int, width: int, cap: int | None) -> dict[s
         "rollout_index": np.full(size, -1, dtype=np.int64),
     }
     if placed.chains:
-        ch = placed.chains
+        # First fit lays each row's chains end to end from slot 0, so the filled slots of
+        # a row are exactly [0, fill): with the chains in row-major order, every field is
+        # one boolean-mask assignment of the chains' concatenation (no index arrays).
+        flat = np.asarray(placed.flat, dtype=np.int64)  # [c]
+        order = np.argsort(flat, kind="stable")  # [c] row-major
+        ch = [placed.chains[i] for i in order]
         lengths = np.fromiter((len(c.tokens) for c in ch), dtype=np.int64, count=len(ch))  # [c]
+        fill = np.bincount(flat[order] // width, weights=lengths, minlength=rows)  # [rows]
+        filled = (np.arange(width) < fill[:, None]).reshape(-1)  # [rows * width]
         starts = np.cumsum(lengths) - lengths  # [c] offset of each chain in the concatenation
         total = int(lengths.sum())
         local = np.arange(total, dtype=np.int64) - np.repeat(starts, lengths)  # [T]
-        dest = np.repeat(np.asarray(placed.flat, dtype=np.int64), lengths) + local  # [T]
+
+        def per_chain(values: list[int] | list[bool] | list[float], dtype: type) -> np.ndarray:
+            return np.repeat(np.asarray(values, dtype=dtype)[order], lengths)  # [T]
+
         completion = np.concatenate([c.trained for c in ch])  # [T]
-        loss = completion & np.repeat(np.asarray(placed.trained, dtype=bool), lengths)
-        adv = np.repeat(np.asarray(placed.advantage, dtype=np.float64), lengths)
-        out["tokens"][dest] = np.concatenate([c.tokens for c in ch])
-        out["positions"][dest] = local
-        out["segments"][dest] = np.repeat(np.asarray(placed.segment, dtype=np.int64), lengths)
-        out["loss_mask"][dest] = loss
-        out["completion_mask"][dest] = completion
-        out["advantages"][dest] = np.where(loss, adv, 0.0)
-        out["behavior_log_probs"][dest] = np.where(
+        loss = completion & per_chain(placed.trained, bool)
+        out["tokens"][filled] = np.concatenate([c.tokens for c in ch])
+        out["positions"][filled] = local
+        out["segments"][filled] = per_chain(placed.segment, np.int64)
+        out["loss_mask"][filled] = loss
+        out["completion_mask"][filled] = completion
+        out["advantages"][filled] = np.where(loss, per_chain(placed.advantage, np.float64), 0.0)
+        out["behavior_log_probs"][filled] = np.where(
             completion, np.concatenate([c.log_probs for c in ch]), 0.0
         )
-        out["versions"][dest] = np.concatenate([c.versions for c in ch])
-        out["rollout_index"][dest] = np.repeat(np.asarray(placed.rollout, dtype=np.int64), lengths)
+        out["versions"][filled] = np.concatenate([c.versions for c in ch])
+        out["rollout_index"][filled] = per_chain(placed.rollout, np.int64)
     batch = {k: v.reshape(rows, width) for k, v in out.items()}
     if cap is not None:
         batch.update(_assemble_support(placed, rows, width, cap, batch["loss_mask"].size))
