@@ -256,17 +256,25 @@ class Admission:
 
     def _fail(self, g: _Group, s: _Sample, cause: str, now: float, actions: list[Action]) -> None:
         """A failed attempt: counts toward max_attempts; resubmit or give up."""
+        self._count_failure(s, cause)
+        self._settle(g, now, actions)
+
+    def _count_failure(self, s: _Sample, cause: str) -> None:
         s.failures += 1
         s.rollout = None
         if s.failures >= self.max_attempts:
             s.state = _S.EXHAUSTED
-            if self._alive(g) < self.groups:
-                self._abandon(g, actions)
-                return
         else:
-            s.state = _S.IDLE
-            s.cause = cause
-        self._top_up(g, now, actions)
+            s.state, s.cause = _S.IDLE, cause
+
+    def _settle(self, g: _Group, now: float, actions: list[Action]) -> None:
+        """After failures: abandon a group that can no longer complete, else refill it."""
+        if g.state is not _G.RUNNING:
+            return
+        if self._alive(g) < self.groups:
+            self._abandon(g, actions)
+        else:
+            self._top_up(g, now, actions)
 
     def _abandon(self, g: _Group, actions: list[Action]) -> None:
         g.state = _G.ABANDONED
@@ -347,8 +355,13 @@ class Admission:
         return self._deadlines[0][0] if self._deadlines else None
 
     def expire(self, now: float) -> list[Action]:
-        """Cancel and resubmit, as failed attempts, every rollout past its deadline."""
+        """Cancel and resubmit, as failed attempts, every rollout past its deadline.
+
+        Every expired attempt is counted before any group is refilled, so a group that
+        several timeouts abandon at once starts no new attempt on the way.
+        """
         actions: list[Action] = []
+        touched: dict[int, _Group] = {}
         while self._deadlines and self._deadlines[0][0] <= now:
             _, key = heapq.heappop(self._deadlines)
             entry = self._running.get(key)
@@ -356,7 +369,10 @@ class Admission:
                 continue
             g, s = entry
             self._stop(g, s, "failed:timeout", actions)
-            self._fail(g, s, "timeout", now, actions)
+            self._count_failure(s, "timeout")
+            touched[g.gid] = g
+        for g in touched.values():
+            self._settle(g, now, actions)
         return actions
 
     def _sweep_stale(self, updates: int, now: float, batches: Sequence[_Batch]) -> list[Action]:
