@@ -282,6 +282,7 @@ class Admission:
         self._release(g, "abandoned", actions)
 
     def _release(self, g: _Group, how: str, actions: list[Action]) -> None:
+        """Cancel a group's running samples and discard what it had admitted."""
         for s in g.samples:
             if s.state is _S.RUNNING:
                 self._stop(g, s, how, actions)
@@ -465,15 +466,7 @@ class Admission:
         actions: list[Action] = []
         for b in self._batches:
             for g in b.groups:
-                for s in g.samples:
-                    if s.state is _S.RUNNING:
-                        self._stop(g, s, how, actions)
-                        self.cancelled += 1
-                        s.state = _S.SURPLUS
-                    elif s.state is _S.ADMITTED and s.rollout is not None:
-                        self._end(s.rollout.key, "discarded")
-                        s.rollout = None
-                        s.state = _S.SURPLUS
+                self._release(g, how, actions)
                 g.state = _G.DROPPED
         self._deadlines.clear()
         return actions
