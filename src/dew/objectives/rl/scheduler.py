@@ -62,7 +62,7 @@ class Publisher(Protocol):
 
 @dataclass(frozen=True)
 class SchedulerRecord:
-    """One trainer call: what it consumed and what that cost.
+    """The account of a single trainer call.
 
     ``version``/``lag``: the oldest call among the packed rollouts, and how many
     updates behind it was. ``groups``: complete groups packed into the batch.
@@ -87,7 +87,7 @@ class SchedulerRecord:
 
 
 def task_ids(batch: Batch) -> list[Task]:
-    """One Task per row of the integer ``task_id`` column, named by its decimal id."""
+    """Turn a batch's integer ``task_id`` column into tasks whose ids are those numbers as text."""
     if "task_id" not in batch:
         raise ValueError(f"batch has no 'task_id' column (columns: {sorted(batch)})")
     ids = np.asarray(batch["task_id"])
@@ -107,11 +107,12 @@ class _Reply:
 
 
 class RolloutScheduler:
-    """Trains on complete rollout groups from ``source``, ``ahead`` task batches early.
+    """The trainer's rollout: keeps ``source`` busy ``ahead`` batches in advance and returns
+    packed batches built only from whole groups that are fresh enough.
 
-    Use it as the trainer's rollout: ``scheduler(model, batch, updates=n)`` returns
+    ``scheduler(model, batch, updates=n)`` returns
     the packed batch for batch ``n`` of ``scheduler.tasks(dataset).stream(...)``.
-    See the reference page for every rule; the module docstring of
+    The scheduler reference page has every rule; the module docstring of
     :mod:`dew.objectives.rl._admission` for the bookkeeping.
     """
 
