@@ -17,7 +17,7 @@ Concurrency invariants:
   flight is cancelled and the exception (its type, message and traceback) is raised
   from the trainer's call. Reopening the stream (a resume) clears that state.
 * ``close()`` cancels everything in flight, fails a waiting call, and joins the
-  driver thread; the source itself belongs to the caller.
+  driver thread. Closing the source is left to whoever created it.
 """
 
 from __future__ import annotations
@@ -202,10 +202,10 @@ class RolloutScheduler:
     # ------------------------------------------------------------------ trainer side
 
     def tasks(self, dataset: Dataset) -> Dataset:
-        """``dataset`` with a stream that registers each batch when it is read.
+        """Wrap ``dataset`` so that reading a batch from its stream also hands it to us.
 
-        Opening that stream again (as a resume does) cancels all that the previous
-        stream left in flight.
+        Each ``stream()`` call starts afresh: rollouts still running for an earlier
+        stream are cancelled, which is what makes a resume from a checkpoint clean.
         """
         return dataset.observed(self._on_read, self._on_open)
 
