@@ -28,29 +28,13 @@ never turn into NaN through ``0 * nan``.
 from __future__ import annotations
 
 import inspect
-from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
 
+from dew._attention import ATTENTION_MASKS as MASKS
+
 __all__ = ["MASKS", "ModelCall", "SlotCache"]
-
-
-def _bool_mask(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    return allowed
-
-
-def _additive_mask(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    zero = torch.zeros((), dtype=dtype, device=allowed.device)
-    return torch.where(allowed, zero, torch.finfo(dtype).min)
-
-
-# How each supported attention implementation wants a 4-D mask: sdpa takes booleans
-# (True = attend); eager adds the mask to the scores.
-MASKS: Mapping[str, Callable[[torch.Tensor, torch.dtype], torch.Tensor]] = {
-    "sdpa": _bool_mask,
-    "eager": _additive_mask,
-}
 
 
 class SlotCache:

@@ -27,10 +27,12 @@ from); without one it runs over the whole vocabulary.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 
 import numpy as np
 import torch
+
+from dew._attention import ATTENTION_MASKS, additive_mask, boolean_mask
 
 __all__ = [
     "ATTENTION_MASKS",
@@ -60,25 +62,6 @@ def chain_attention(segments: torch.Tensor) -> torch.Tensor:
     diagonal = torch.eye(width, dtype=torch.bool, device=segments.device)  # [q, k]
     allowed = (same & real & causal) | diagonal  # [rows, q, k]
     return allowed[:, None]  # [rows, 1, q, k]
-
-
-def boolean_mask(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """SDPA encoding: the boolean mask itself (True = attend)."""
-    del dtype
-    return allowed
-
-
-def additive_mask(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Eager encoding: 0 where allowed, the dtype's most negative value elsewhere."""
-    zero = torch.zeros((), dtype=dtype, device=allowed.device)
-    return torch.where(allowed, zero, torch.finfo(dtype).min)
-
-
-# attention implementation -> how a [rows, 1, q, k] boolean mask is encoded for it
-ATTENTION_MASKS: dict[str, Callable[[torch.Tensor, torch.dtype], torch.Tensor]] = {
-    "sdpa": boolean_mask,
-    "eager": additive_mask,
-}
 
 
 def chain_continues(segments: torch.Tensor) -> torch.Tensor:
