@@ -78,7 +78,8 @@ def test_max_tokens_truncates_and_is_still_scored(server: RolloutServer) -> None
 
 
 @pytest.mark.parametrize(
-    "bad", [RuntimeError("grader crashed"), float("nan"), "1.0", {"a": float("inf")}, {"a": "x"}]
+    "bad",
+    [RuntimeError("grader crashed"), float("nan"), "1.0", {"a": float("inf")}, {"a": "x"}, {}],
 )
 def test_verifier_failure_is_infra_error_without_reward(server: RolloutServer, bad: Any) -> None:
     with PromptSource(server, [[5, 6]], Recorder(bad), max_tokens=2) as source:

@@ -55,6 +55,9 @@ def error_text(exc: BaseException) -> str:
 def parse_reward(out: object) -> tuple[float, dict[str, float]]:
     """A verifier's float, or mapping of named parts, as (reward, components)."""
     if isinstance(out, Mapping):
+        if not out:
+            # An empty mapping would sum to a reward of 0 that no check produced.
+            raise ValueError("verifier returned an empty mapping of reward components")
         parts: dict[str, float] = {}
         for name, value in out.items():
             if isinstance(value, bool) or not isinstance(value, (int, float)):

@@ -57,6 +57,7 @@ from dew.objectives.rl.sessions import (
     Task,
     ThreadedSource,
 )
+from dew.objectives.rl.sources._common import parse_reward
 
 if TYPE_CHECKING:
     import openai
@@ -502,7 +503,7 @@ class HarnessSource(ThreadedSource):
         )
         try:
             score = self.verifier(task, full)
-            reward, components = _reward(score)
+            reward, components = parse_reward(score)
         except Exception as exc:
             return Rollout(
                 key,
@@ -528,19 +529,3 @@ class HarnessSource(ThreadedSource):
             truncation=truncation,
             error=harness_error,
         )
-
-
-def _reward(score: object) -> tuple[float, Mapping[str, float]]:
-    """A verifier's answer as (reward, components); raises on anything else."""
-    if isinstance(score, Mapping):
-        parts = {}
-        for name, v in score.items():
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
-                raise ValueError(f"component {name!r} must be a finite number, got {v!r}")
-            parts[str(name)] = float(v)
-        if not parts:
-            raise ValueError("returned an empty mapping")
-        return float(sum(parts.values())), parts
-    if isinstance(score, bool) or not isinstance(score, (int, float)) or not math.isfinite(score):
-        raise ValueError(f"must return a finite number or a mapping of them, got {score!r}")
-    return float(score), {}
