@@ -116,16 +116,17 @@ def completion_response(
     }
 
 
-def chat_chunk(
+def _chunk(
+    kind: str,
     rid: str,
     model: str,
     created: int,
     choices: Sequence[dict[str, Any]],
-    usage: dict[str, int] | None = None,
+    usage: dict[str, int] | None,
 ) -> dict[str, Any]:
     out: dict[str, Any] = {
         "id": rid,
-        "object": "chat.completion.chunk",
+        "object": kind,
         "created": created,
         "model": model,
         "choices": list(choices),
@@ -133,6 +134,16 @@ def chat_chunk(
     if usage is not None:
         out["usage"] = usage
     return out
+
+
+def chat_chunk(
+    rid: str,
+    model: str,
+    created: int,
+    choices: Sequence[dict[str, Any]],
+    usage: dict[str, int] | None = None,
+) -> dict[str, Any]:
+    return _chunk("chat.completion.chunk", rid, model, created, choices, usage)
 
 
 def completion_chunk(
@@ -142,16 +153,7 @@ def completion_chunk(
     choices: Sequence[dict[str, Any]],
     usage: dict[str, int] | None = None,
 ) -> dict[str, Any]:
-    out: dict[str, Any] = {
-        "id": rid,
-        "object": "text_completion",
-        "created": created,
-        "model": model,
-        "choices": list(choices),
-    }
-    if usage is not None:
-        out["usage"] = usage
-    return out
+    return _chunk("text_completion", rid, model, created, choices, usage)
 
 
 def chat_stream(
