@@ -65,7 +65,7 @@ def test_rollout_scheduler_signature() -> None:
         assert sig.parameters[name].default == default, name
     assert sig.parameters["width"].default is inspect.Parameter.empty
     assert sig.parameters["rows"].default is inspect.Parameter.empty
-    assert [m for m in ("tasks", "close") if callable(getattr(scheduler.RolloutScheduler, m))]
+    assert all(callable(getattr(scheduler.RolloutScheduler, m)) for m in ("tasks", "close"))
 
 
 def test_scheduler_record_fields() -> None:
