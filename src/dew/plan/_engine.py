@@ -49,12 +49,13 @@ class EngineConfig:
         return n / (self.a + self.b * n)
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class _Seq:
     key: Hashable
     length: int
     start_p: float = 0.0  # progress counter when admitted to a slot
     version: int | None = None  # served version at its first token
+    live: bool = True  # False once cancelled: its heap entry is skipped
 
 
 class EngineModel:
@@ -71,6 +72,7 @@ class EngineModel:
         self._active: dict[Hashable, _Seq] = {}
         self._heap: list[tuple[float, int, _Seq]] = []  # (finish progress, tiebreak, seq)
         self._tiebreak = 0
+        self._rate = 0.0  # tokens per second per active sequence; kept with _active
 
     @property
     def active(self) -> int:
@@ -80,26 +82,30 @@ class EngineModel:
     def queued(self) -> int:
         return len(self._queued)
 
-    def _rate(self) -> float:
-        """Tokens per second per active sequence."""
+    def _set_rate(self) -> None:
         n = len(self._active)
-        return 1.0 / (self.config.a + self.config.b * n) if n else 0.0
+        self._rate = 1.0 / (self.config.a + self.config.b * n) if n else 0.0
 
     def _fill(self) -> None:
-        while self._queue and len(self._active) < self.config.max_active:
-            seq = self._queue.popleft()
+        queue, active, cap = self._queue, self._active, self.config.max_active
+        if not queue or len(active) >= cap:
+            return
+        while queue and len(active) < cap:
+            seq = queue.popleft()
             if self._queued.pop(seq.key, None) is None:
                 continue  # cancelled while queued
             seq.start_p = self.progress
             seq.version = self.served
-            self._active[seq.key] = seq
+            active[seq.key] = seq
             self._tiebreak += 1
             heapq.heappush(self._heap, (seq.start_p + seq.length, self._tiebreak, seq))
+        self._set_rate()
 
     def _top(self) -> tuple[float, int, _Seq] | None:
-        while self._heap and self._active.get(self._heap[0][2].key) is not self._heap[0][2]:
-            heapq.heappop(self._heap)  # cancelled
-        return self._heap[0] if self._heap else None
+        heap = self._heap
+        while heap and not heap[0][2].live:
+            heapq.heappop(heap)  # cancelled
+        return heap[0] if heap else None
 
     def add(self, key: Hashable, length: int) -> None:
         """Queue a request for ``length`` tokens at the current time."""
@@ -119,6 +125,8 @@ class EngineModel:
         seq = self._active.pop(key, None)
         if seq is None:
             return None
+        seq.live = False
+        self._set_rate()
         self._fill()
         return min(self.progress - seq.start_p, seq.length), seq.version
 
@@ -127,17 +135,17 @@ class EngineModel:
         top = self._top()
         if top is None:
             return None
-        return self.now + (top[0] - self.progress) / self._rate()
+        return self.now + (top[0] - self.progress) / self._rate
 
     def advance(self, to: float) -> list[tuple[Hashable, float, int]]:
         """Move time to ``to``; completions on the way as ``(key, time, version)``."""
         done: list[tuple[Hashable, float, int]] = []
         while True:
             top = self._top()
-            rate = self._rate()
             if top is None:
                 self.now = max(self.now, to)
                 return done
+            rate = self._rate
             finish = self.now + (top[0] - self.progress) / rate
             if finish > to:
                 self.generated += len(self._active) * (to - self.now) * rate
@@ -150,6 +158,8 @@ class EngineModel:
             self.progress = top[0]
             self.now = max(self.now, finish)
             del self._active[seq.key]
+            seq.live = False
+            self._set_rate()
             assert seq.version is not None
             done.append((seq.key, self.now, seq.version))
             self._fill()

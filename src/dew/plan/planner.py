@@ -162,35 +162,42 @@ class _Run:
         self.ahead = policy.ahead
         self.engine = EngineModel(sc.engine)
         self.draws = sc.draws()
-        self.info: dict[RolloutKey, tuple[int, int, bool]] = {}  # task id, length, truncated
+        # key -> (task, task id, length, truncated) of every started attempt
+        self.info: dict[RolloutKey, tuple[Task, int, int, bool]] = {}
         self.ledgers: defaultdict[int, BatchLedger] = defaultdict(BatchLedger)
         self.registered = 0
         self.touched: set[int] = set()  # batches with a completion since the last clear
+        self._calls: dict[tuple[int, bool], Call] = {}  # (version, truncated) -> shared call
 
     def execute(self, actions: list[Start | Cancel]) -> None:
+        tasks, draws, engine, info = self.sc.tasks, self.draws, self.engine, self.info
         for action in actions:
-            if isinstance(action, Start):
+            key = action.key
+            if type(action) is Start:
                 tid = int(action.task.id)
-                length, truncated = self.draws.get(tid, action.key.sample, action.key.attempt)
-                self.engine.add(action.key, length)
-                self.info[action.key] = (tid, length, truncated)
-                self.ledgers[tid // self.sc.tasks].drawn.append(length)
+                length, truncated = draws.get(tid, key.sample, key.attempt)
+                engine.add(key, length)
+                info[key] = (action.task, tid, length, truncated)
+                self.ledgers[tid // tasks].drawn.append(length)
             else:
-                out = self.engine.cancel(action.key)
+                out = engine.cancel(key)
                 if out is not None:
-                    tid = self.info[action.key][0]
-                    self.ledgers[tid // self.sc.tasks].generated += out[0]
+                    self.ledgers[info[key][1] // tasks].generated += out[0]
 
     def _finished(self, key: RolloutKey, at: float, version: int) -> None:
-        tid, length, truncated = self.info[key]
-        self.touched.add(tid // self.sc.tasks)
-        self.ledgers[tid // self.sc.tasks].generated += length
-        call = Call(
-            _PROMPT, _ONE, _ONE_LP, version, finish_reason="length" if truncated else "stop"
-        )
+        task, tid, length, truncated = self.info[key]
+        batch = tid // self.sc.tasks
+        self.touched.add(batch)
+        self.ledgers[batch].generated += length
+        call = self._calls.get((version, truncated))
+        if call is None:  # calls are immutable: one per (version, finish) serves every rollout
+            reason = "length" if truncated else "stop"
+            call = self._calls[(version, truncated)] = Call(
+                _PROMPT, _ONE, _ONE_LP, version, finish_reason=reason
+            )
         rollout = Rollout(
             key=key,
-            task=Task(str(tid)),
+            task=task,
             status=Status.TRUNCATED if truncated else Status.COMPLETED,
             calls=(call,),
             reward=float((tid + key.sample) % 2),
@@ -247,7 +254,7 @@ class _Run:
         oldest = k
         for group in out.groups:
             for r in group:
-                _, length, truncated = self.info[r.key]
+                _, _, length, truncated = self.info[r.key]
                 version = r.calls[0].version
                 samples += 1
                 tokens += length

@@ -127,14 +127,18 @@ def preset(name: str) -> LengthPreset:
         raise ValueError(f"preset={name!r} is not one of {sorted(PRESETS)}") from None
 
 
+_TASK_BLOCK = 256  # tasks per generator: one seeding per 256 tasks, not one per task
+
+
 class LengthDraws:
     """Deterministic lengths per ``(task, sample, attempt)`` for one seed.
 
-    Each task owns a generator seeded by ``(seed, task)``: its first draw is the task's
-    log-mean, the following ones are sample draws, handed out in blocks of
-    ``block`` per attempt (sample ``s`` of attempt ``a`` is draw ``a * block + s``).
-    Lengths are rounded up to a multiple of ``quantum`` (1: exact), which lets a
-    simulation carry one token per ``quantum`` tokens and stay exact.
+    Tasks are drawn in blocks of 256: one generator seeded by ``(seed, block)`` gives
+    the block's task log-means, and one seeded by ``(seed, block, attempt + 1)`` the
+    ``[256, block]`` table of that attempt's sample draws (sample ``s`` of task ``t``
+    is entry ``[t % 256, s]``). Lengths are rounded up to a multiple of ``quantum``
+    (1: exact), which lets a simulation carry one token per ``quantum`` tokens and
+    stay exact.
     """
 
     def __init__(
@@ -146,17 +150,23 @@ class LengthDraws:
         self.seed = seed
         self.quantum = quantum
         self.block = block
-        # Per task: log-mean, then per attempt the lengths and truncation flags as lists.
-        self._tasks: dict[int, tuple[float, list[list[int]], list[list[bool]]]] = {}
+        self._log_means: dict[int, np.ndarray] = {}  # task block -> [256] log-means
+        # (task block, attempt) -> lengths and truncation flags, [256][block] as lists
+        self._tables: dict[tuple[int, int], tuple[list[list[int]], list[list[bool]]]] = {}
 
-    def _task(self, task: int) -> tuple[float, list[list[int]], list[list[bool]]]:
-        entry = self._tasks.get(task)
-        if entry is None:
-            rng = np.random.default_rng([self.seed, task])
-            log_mean = float(rng.normal(self.preset.mu, self.preset.sigma_task))
-            entry = (log_mean, [], [])
-            self._tasks[task] = entry
-        return entry
+    def _table(self, tblock: int, attempt: int) -> tuple[list[list[int]], list[list[bool]]]:
+        log_mean = self._log_means.get(tblock)
+        if log_mean is None:
+            rng = np.random.default_rng([self.seed, tblock])
+            log_mean = rng.normal(self.preset.mu, self.preset.sigma_task, size=_TASK_BLOCK)
+            self._log_means[tblock] = log_mean
+        rng = np.random.default_rng([self.seed, tblock, attempt + 1])
+        z = rng.normal(size=(_TASK_BLOCK, self.block))  # [256, block]
+        n, t = self.preset.lengths(log_mean[:, None], z)
+        q = self.quantum
+        table = ((-(-n // q) * q).tolist(), t.tolist())  # lengths rounded up to the quantum
+        self._tables[(tblock, attempt)] = table
+        return table
 
     def get(self, task: int, sample: int, attempt: int = 0) -> tuple[int, bool]:
         """``(length, truncated)`` of one draw; the same arguments give the same answer."""
@@ -164,11 +174,6 @@ class LengthDraws:
             raise ValueError(f"sample={sample} must be in [0, {self.block})")
         if task < 0 or attempt < 0:
             raise ValueError(f"task={task} and attempt={attempt} must be >= 0")
-        log_mean, lengths, truncated = self._task(task)
-        while len(lengths) <= attempt:
-            rng = np.random.default_rng([self.seed, task, len(lengths) + 1])
-            n, t = self.preset.lengths(np.float64(log_mean), rng.normal(size=self.block))
-            q = self.quantum
-            lengths.append((-(-n // q) * q).tolist())  # round up to the quantum
-            truncated.append(t.tolist())
-        return lengths[attempt][sample], truncated[attempt][sample]
+        tblock, row = divmod(task, _TASK_BLOCK)
+        table = self._tables.get((tblock, attempt)) or self._table(tblock, attempt)
+        return table[0][row][sample], table[1][row][sample]

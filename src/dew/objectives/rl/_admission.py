@@ -77,7 +77,7 @@ class _G(Enum):
     DROPPED = 3
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class _Sample:
     index: int
     attempt: int = -1  # no attempt yet
@@ -87,9 +87,10 @@ class _Sample:
     version: int = 0  # served version at the current attempt's submission
     submitted: float = 0.0
     rollout: Rollout | None = None
+    key: RolloutKey | None = None  # of the current attempt, once started
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class _Group:
     gid: int
     task: Task
@@ -225,7 +226,7 @@ class Admission:
         s.state = _S.RUNNING
         s.version = self.served if self.served is not None else 0
         s.submitted = now
-        key = RolloutKey(g.gid, s.index, s.attempt)
+        key = s.key = RolloutKey(g.gid, s.index, s.attempt)
         self._running[key] = (g, s)
         if self.timeout is not None:
             heapq.heappush(self._deadlines, (now + self.timeout, key))
@@ -233,7 +234,8 @@ class Admission:
 
     def _stop(self, g: _Group, s: _Sample, how: str, actions: list[Action]) -> None:
         """Cancel a running sample's current attempt."""
-        key = RolloutKey(g.gid, s.index, s.attempt)
+        key = s.key  # the current attempt's
+        assert key is not None, "a running sample has been started"
         del self._running[key]
         self._end(key, how)
         actions.append(Cancel(key))

@@ -30,18 +30,18 @@ final arrays are written with one scatter per field.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from types import MappingProxyType
 
 import numpy as np
 
 from dew.objectives.rl.sessions import (
-    Chain,
     Rollout,
     Status,
     Truncation,
-    chains,
+    _chain_runs,
+    _Run,
     truncation_policy,
 )
 
@@ -192,7 +192,8 @@ def _rollout_support(rollout: Rollout) -> tuple[np.ndarray, np.ndarray]:
 class _Placed:
     """Placed chains, one entry per chain in placement order (within a row: slot order)."""
 
-    chains: list[Chain] = field(default_factory=list)
+    runs: list[list[_Run]] = field(default_factory=list)  # each chain as its runs
+    lengths: list[int] = field(default_factory=list)  # tokens per chain
     flat: list[int] = field(default_factory=list)  # row * width + first slot
     segment: list[int] = field(default_factory=list)
     rollout: list[int] = field(default_factory=list)
@@ -213,9 +214,13 @@ class _Rows:
     def __init__(self, rows: int, width: int, cap: int | None) -> None:
         self.width = width
         self.cap = cap
-        self.fill = np.zeros(rows, dtype=np.int64)  # [rows] token slots used
-        self.sfill = np.zeros(rows, dtype=np.int64)  # [rows] support slots used
+        self.room = np.full(rows, width, dtype=np.int64)  # [rows] token slots left
+        self.sroom = np.full(rows, cap or 0, dtype=np.int64)  # [rows] support slots left
         self.nseg = np.zeros(rows, dtype=np.int64)  # [rows] chains placed
+
+    @property
+    def filled(self) -> int:
+        return int(self.width * len(self.room) - self.room.sum())
 
     def place_group(
         self,
@@ -226,9 +231,9 @@ class _Rows:
         base: int,
     ) -> _Placed | None:
         """Place every chain of ``group`` or, leaving the rows untouched, return None."""
-        saved = (self.fill.copy(), self.sfill.copy(), self.nseg.copy())
+        saved = (self.room.copy(), self.sroom.copy(), self.nseg.copy())
         out = _Placed()
-        cap = self.cap
+        cap, width, room = self.cap, self.width, self.room
         for mi, rollout in enumerate(group):
             with_support = cap is not None and bool(trained[mi]) and bool(supported[mi])
             if with_support:
@@ -237,36 +242,39 @@ class _Rows:
                 all_counts, all_ids = _rollout_support(rollout)
                 id_ends = np.cumsum(all_counts)  # [m]
                 tok_at = id_at = 0
-            for chain in chains(rollout.calls):
-                n = len(chain.tokens)
-                room = (self.width - self.fill) >= n  # [rows]
+            is_trained, advantage = bool(trained[mi]), float(adv[mi])
+            for runs in _chain_runs(rollout.calls):
+                n = sum(len(run.tokens) for run in runs)
+                fits = room >= n  # [rows]
                 if with_support:
-                    k = int(np.count_nonzero(chain.trained))
+                    flags = np.repeat([run.trained for run in runs], [len(r.tokens) for r in runs])
+                    k = int(np.count_nonzero(flags))
                     counts = np.zeros(n, dtype=np.int64)  # [n]
-                    counts[chain.trained] = all_counts[tok_at : tok_at + k]
+                    counts[flags] = all_counts[tok_at : tok_at + k]
                     id_end = int(id_ends[tok_at + k - 1])
                     ids = all_ids[id_at:id_end]
                     tok_at, id_at = tok_at + k, id_end
-                    room &= (cap - self.sfill) >= len(ids)
+                    fits &= self.sroom >= len(ids)
                 else:
                     counts, ids = None, _NO_IDS
-                r = int(np.argmax(room))
-                if not room[r]:
-                    self.fill, self.sfill, self.nseg = saved
+                r = int(fits.argmax())
+                if not fits[r]:
+                    self.room, self.sroom, self.nseg = saved
                     return None
-                out.chains.append(chain)
-                out.flat.append(r * self.width + int(self.fill[r]))
-                self.fill[r] += n
+                out.runs.append(runs)
+                out.lengths.append(n)
+                out.flat.append(r * width + width - int(room[r]))
+                room[r] -= n
                 self.nseg[r] += 1
                 out.segment.append(int(self.nseg[r]))
                 out.rollout.append(base + mi)
-                out.trained.append(bool(trained[mi]))
-                out.advantage.append(float(adv[mi]))
+                out.trained.append(is_trained)
+                out.advantage.append(advantage)
                 if cap is not None:
                     out.support_counts.append(np.zeros(n, np.int64) if counts is None else counts)
                     out.support_ids.append(ids)
-                    out.support_flat.append(r * cap + int(self.sfill[r]))
-                    self.sfill[r] += len(ids)
+                    out.support_flat.append(r * cap + cap - int(self.sroom[r]))
+                    self.sroom[r] -= len(ids)
         return out
 
 
@@ -319,7 +327,7 @@ def pack(
         base += n
 
     batch = _assemble(placed, rows, width, cap)
-    tokens = int(space.fill.sum())
+    tokens = space.filled
     stats = PackStats(
         packed=tuple(packed),
         cut=tuple(cut),
@@ -345,35 +353,40 @@ def _assemble(placed: _Placed, rows: int, width: int, cap: int | None) -> dict[s
         "versions": np.full(size, -1, dtype=np.int64),
         "rollout_index": np.full(size, -1, dtype=np.int64),
     }
-    if placed.chains:
+    if placed.runs:
         # First fit lays each row's chains end to end from slot 0, so the filled slots of
         # a row are exactly [0, fill): with the chains in row-major order, every field is
-        # one boolean-mask assignment of the chains' concatenation (no index arrays).
+        # one boolean-mask assignment of the chains' concatenation (no index arrays), and
+        # it concatenates the chains' runs (no per-chain arrays are built).
         flat = np.asarray(placed.flat, dtype=np.int64)  # [c]
         order = np.argsort(flat, kind="stable")  # [c] row-major
-        ch = [placed.chains[i] for i in order]
-        lengths = np.fromiter((len(c.tokens) for c in ch), dtype=np.int64, count=len(ch))  # [c]
+        lengths = np.asarray(placed.lengths, dtype=np.int64)[order]  # [c]
         fill = np.bincount(flat[order] // width, weights=lengths, minlength=rows)  # [rows]
         filled = (np.arange(width) < fill[:, None]).reshape(-1)  # [rows * width]
         starts = np.cumsum(lengths) - lengths  # [c] offset of each chain in the concatenation
         total = int(lengths.sum())
         local = np.arange(total, dtype=np.int64) - np.repeat(starts, lengths)  # [T]
+        runs = [run for i in order for run in placed.runs[i]]
+        run_lengths = np.fromiter((len(r.tokens) for r in runs), np.int64, len(runs))  # [u]
 
         def per_chain(values: list[int] | list[bool] | list[float], dtype: type) -> np.ndarray:
             return np.repeat(np.asarray(values, dtype=dtype)[order], lengths)  # [T]
 
-        completion = np.concatenate([c.trained for c in ch])  # [T]
+        def per_run(values: Iterable[int] | Iterable[bool], dtype: type) -> np.ndarray:
+            return np.repeat(np.fromiter(values, dtype, len(runs)), run_lengths)  # [T]
+
+        completion = per_run((r.trained for r in runs), bool)  # [T]
         loss = completion & per_chain(placed.trained, bool)
-        out["tokens"][filled] = np.concatenate([c.tokens for c in ch])
+        behavior = np.zeros(total)  # [T]
+        behavior[completion] = np.concatenate([r.log_probs for r in runs if r.trained])
+        out["tokens"][filled] = np.concatenate([r.tokens for r in runs])
         out["positions"][filled] = local
         out["segments"][filled] = per_chain(placed.segment, np.int64)
         out["loss_mask"][filled] = loss
         out["completion_mask"][filled] = completion
         out["advantages"][filled] = np.where(loss, per_chain(placed.advantage, np.float64), 0.0)
-        out["behavior_log_probs"][filled] = np.where(
-            completion, np.concatenate([c.log_probs for c in ch]), 0.0
-        )
-        out["versions"][filled] = np.concatenate([c.versions for c in ch])
+        out["behavior_log_probs"][filled] = behavior
+        out["versions"][filled] = per_run((r.version for r in runs), np.int64)
         out["rollout_index"][filled] = per_chain(placed.rollout, np.int64)
     batch = {k: v.reshape(rows, width) for k, v in out.items()}
     if cap is not None:
@@ -386,9 +399,9 @@ def _assemble_support(
 ) -> dict[str, np.ndarray]:
     support = np.full(rows * cap, -1, dtype=np.int64)
     counts = np.zeros(size, dtype=np.int64)  # [rows * width] support ids per token
-    if placed.chains:
+    if placed.runs:
         lengths = np.fromiter(
-            (len(c) for c in placed.support_counts), dtype=np.int64, count=len(placed.chains)
+            (len(c) for c in placed.support_counts), dtype=np.int64, count=len(placed.runs)
         )
         starts = np.cumsum(lengths) - lengths
         dest = np.repeat(np.asarray(placed.flat, dtype=np.int64), lengths) + (
@@ -396,7 +409,7 @@ def _assemble_support(
         )
         counts[dest] = np.concatenate(placed.support_counts)
         nids = np.fromiter(
-            (len(i) for i in placed.support_ids), dtype=np.int64, count=len(placed.chains)
+            (len(i) for i in placed.support_ids), dtype=np.int64, count=len(placed.runs)
         )
         if nids.sum():
             sstarts = np.cumsum(nids) - nids

@@ -25,7 +25,7 @@ from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, NamedTuple, Protocol, runtime_checkable
 
 import numpy as np
 
@@ -68,9 +68,12 @@ class Task:
     data: Mapping[str, Any] = field(default_factory=lambda: _EMPTY)
 
 
-@dataclass(frozen=True, order=True)
-class RolloutKey:
-    """The scheduler's label for one attempt at one sample of one group."""
+class RolloutKey(NamedTuple):
+    """The scheduler's label for one attempt at one sample of one group.
+
+    A named tuple rather than a dataclass: keys are hashed on every event the
+    scheduler handles, and a tuple hashes and compares in C.
+    """
 
     group: int
     sample: int
@@ -150,6 +153,8 @@ class Rollout:
             raise ValueError(f"{key}: status {self.status.name} needs at least one call")
         for i, call in enumerate(self.calls):
             _check_call(call, key, i)
+        # Read on every staleness check, so computed once; the dataclass is frozen.
+        object.__setattr__(self, "_oldest", min((c.version for c in self.calls), default=None))
 
     @property
     def completion_tokens(self) -> int:
@@ -158,41 +163,46 @@ class Rollout:
     @property
     def oldest_version(self) -> int | None:
         """The oldest weights version among the calls, or None without calls."""
-        return min((c.version for c in self.calls), default=None)
+        return self._oldest  # type: ignore[attr-defined]
 
 
 _SCORED = frozenset({Status.COMPLETED, Status.AGENT_ERROR, Status.TRUNCATED})
 
 
+def _bad_call(key: RolloutKey, i: int, problem: str) -> ValueError:
+    return ValueError(f"{key}: calls[{i}]{problem}")
+
+
 def _check_call(call: Call, key: RolloutKey, i: int) -> None:
-    where = f"{key}: calls[{i}]"
+    # Error text is only built on failure: this runs for every finished rollout.
     if not isinstance(call, Call):
-        raise ValueError(f"{where} must be a Call, got {type(call).__name__}")
+        raise _bad_call(key, i, f" must be a Call, got {type(call).__name__}")
     n = len(call.completion)
     if n == 0:
-        raise ValueError(f"{where}.completion is empty; a call produces at least one token")
+        raise _bad_call(key, i, ".completion is empty; a call produces at least one token")
     if len(call.prompt) == 0:
-        raise ValueError(f"{where}.prompt is empty")
+        raise _bad_call(key, i, ".prompt is empty")
     if len(call.log_probs) != n:
-        raise ValueError(
-            f"{where}.log_probs has {len(call.log_probs)} entries but completion has {n} tokens"
+        raise _bad_call(
+            key, i, f".log_probs has {len(call.log_probs)} entries but completion has {n} tokens"
         )
-    if isinstance(call.version, bool) or not isinstance(call.version, (int, np.integer)):
-        raise ValueError(f"{where}.version must be an int, got {call.version!r}")
-    if call.version < 0:
-        raise ValueError(f"{where}.version must be >= 0, got {call.version}")
+    version = call.version
+    if isinstance(version, bool) or not isinstance(version, (int, np.integer)):
+        raise _bad_call(key, i, f".version must be an int, got {version!r}")
+    if version < 0:
+        raise _bad_call(key, i, f".version must be >= 0, got {version}")
     if not (call.temperature > 0 and math.isfinite(call.temperature)):
-        raise ValueError(f"{where}.temperature must be positive and finite, got {call.temperature}")
+        raise _bad_call(key, i, f".temperature must be positive and finite, got {call.temperature}")
     if call.support is not None:
         if len(call.support) != n:
-            raise ValueError(
-                f"{where}.support has {len(call.support)} rows but completion has {n} tokens"
+            raise _bad_call(
+                key, i, f".support has {len(call.support)} rows but completion has {n} tokens"
             )
         for t, (tok, row) in enumerate(zip(call.completion, call.support, strict=True)):
             if len(row) == 0:
-                raise ValueError(f"{where}.support[{t}] is empty")
+                raise _bad_call(key, i, f".support[{t}] is empty")
             if tok not in row:
-                raise ValueError(f"{where}.support[{t}] does not contain the sampled token {tok}")
+                raise _bad_call(key, i, f".support[{t}] does not contain the sampled token {tok}")
 
 
 # --------------------------------------------------------------------------- protocols
@@ -372,31 +382,47 @@ class Chain:
     support: tuple[Sequence[int], ...]
 
 
+class _Run(NamedTuple):
+    """A stretch of one chain that came from one call, as one piece.
+
+    ``tokens`` [n] int64; ``trained`` says whether they are completion tokens (then
+    ``log_probs`` [n] holds their behavior log-probs and ``support`` their support
+    rows, when the call carries any) or prompt tokens the call consumed (then both
+    are None); ``version`` is the call's weights version.
+    """
+
+    tokens: np.ndarray
+    trained: bool
+    log_probs: np.ndarray | None
+    version: int
+    support: Sequence[Sequence[int]] | None
+
+
 def _as_i64(x: Sequence[int]) -> np.ndarray:
     return np.asarray(x, dtype=np.int64).reshape(-1)
 
 
-def chains(calls: Sequence[Call]) -> list[Chain]:
-    """Merge a rollout's calls into chains.
+def _chain_runs(calls: Sequence[Call]) -> list[list[_Run]]:
+    """Merge a rollout's calls into chains, each given as its runs in token order.
 
     Call k extends the current chain when its prompt starts with the chain's tokens
     so far; the prompt's extra tokens (observations, tool results, the next user
-    turn) join the chain untrained. Otherwise it opens a new chain. Comparison is
-    token-exact: nothing is re-tokenized.
+    turn) join the chain as an untrained run. Otherwise it opens a new chain.
+    Comparison is token-exact: nothing is re-tokenized. Runs, not joined arrays, so
+    that ``pack`` can write many chains with one concatenation per field.
     """
-    if len(calls) == 1:
-        return [_single_chain(calls[0])]
-    out: list[Chain] = []
-    parts: list[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]] = []
-    support: list[Sequence[int]] = []
-    current: np.ndarray | None = None
-
-    def flush() -> None:
-        if parts:
-            out.append(
-                Chain(*(np.concatenate(x) for x in zip(*parts, strict=True)), tuple(support))
-            )
-
+    if len(calls) == 1:  # the single-turn case, without the merge bookkeeping
+        call = calls[0]
+        lp = np.asarray(call.log_probs, dtype=np.float64).reshape(-1)
+        return [
+            [
+                _Run(_as_i64(call.prompt), False, None, call.version, None),
+                _Run(_as_i64(call.completion), True, lp, call.version, call.support),
+            ]
+        ]
+    out: list[list[_Run]] = []
+    runs: list[_Run] = []
+    current: np.ndarray | None = None  # the open chain's tokens so far
     for call in calls:
         prompt = _as_i64(call.prompt)
         completion = _as_i64(call.completion)
@@ -404,40 +430,43 @@ def chains(calls: Sequence[Call]) -> list[Chain]:
         if current is not None and len(prompt) >= n and np.array_equal(prompt[:n], current):
             extra = prompt[n:]
         else:
-            flush()
-            parts, support = [], []
-            extra = prompt
-            current = np.empty(0, dtype=np.int64)
-        m = len(completion)
-        parts.append(
-            (
-                np.concatenate([extra, completion]),
-                np.concatenate([np.zeros(len(extra), bool), np.ones(m, bool)]),
-                np.concatenate(
-                    [np.zeros(len(extra)), np.asarray(call.log_probs, dtype=np.float64)]
-                ),
-                np.full(len(extra) + m, call.version, dtype=np.int64),
-            )
-        )
-        if call.support is not None:
-            support.extend(call.support)
+            if runs:
+                out.append(runs)
+            runs, extra, current = [], prompt, np.empty(0, dtype=np.int64)
+        if len(extra):
+            runs.append(_Run(extra, False, None, call.version, None))
+        lp = np.asarray(call.log_probs, dtype=np.float64).reshape(-1)
+        runs.append(_Run(completion, True, lp, call.version, call.support))
         current = np.concatenate([current, extra, completion])
-    flush()
+    if runs:
+        out.append(runs)
     return out
 
 
-def _single_chain(call: Call) -> Chain:
-    # The common single-turn case, without the merge bookkeeping: a few numpy calls.
-    prompt = _as_i64(call.prompt)
-    p = len(prompt)
-    tokens = np.concatenate([prompt, _as_i64(call.completion)])
-    trained = np.zeros(len(tokens), bool)
-    trained[p:] = True
-    log_probs = np.zeros(len(tokens))
-    log_probs[p:] = call.log_probs
-    versions = np.full(len(tokens), call.version, dtype=np.int64)
-    support = tuple(call.support) if call.support is not None else ()
-    return Chain(tokens, trained, log_probs, versions, support)
+def _join_runs(runs: Sequence[_Run]) -> Chain:
+    """The :class:`Chain` made of ``runs`` (as :func:`_chain_runs` gives them)."""
+    lengths = [len(r.tokens) for r in runs]
+    flags = np.repeat([r.trained for r in runs], lengths)  # [n]
+    log_probs = np.zeros(sum(lengths))  # [n]
+    trained_lp = [r.log_probs for r in runs if r.log_probs is not None]
+    if trained_lp:
+        log_probs[flags] = np.concatenate(trained_lp)
+    support: list[Sequence[int]] = []
+    for r in runs:
+        if r.support is not None:
+            support.extend(r.support)
+    return Chain(
+        np.concatenate([r.tokens for r in runs]),
+        flags.astype(bool),
+        log_probs,
+        np.repeat(np.asarray([r.version for r in runs], dtype=np.int64), lengths),
+        tuple(support),
+    )
+
+
+def chains(calls: Sequence[Call]) -> list[Chain]:
+    """Merge a rollout's calls into chains (see :func:`_chain_runs` for the rule)."""
+    return [_join_runs(runs) for runs in _chain_runs(calls)]
 
 
 def merge_ratio(rollouts: Sequence[Rollout]) -> float:
