@@ -253,11 +253,11 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--presets", default="dapo,dapo-moments,longcot")
     ap.add_argument("--shapes", default="64x8,128x16", help="tasks x group, comma separated")
     ap.add_argument("--T", default="0.5,1.0", help="T as multiples of a batch's generation time")
-    ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--steady-steps", type=int, default=12, help="steps of the steady plan")
     ap.add_argument(
-        "--real-step", default="0.3,0.6", help="real seconds of a limit step, per shape"
+        "--real-step", default="1.2,2.4", help="real seconds of a limit step, per shape"
     )
     ap.add_argument("--tiny", action="store_true", help="one small cell; writes nothing")
     ap.add_argument("--write", action="store_true", help="write RESULTS.md and the plot")

@@ -19,6 +19,7 @@ simulated source advances it to the scaled wall clock under its own lock.
 from __future__ import annotations
 
 import heapq
+import math
 from collections import deque
 from collections.abc import Hashable
 from dataclasses import dataclass
@@ -137,6 +138,39 @@ class EngineModel:
             return None
         return self.now + (top[0] - self.progress) / self._rate
 
+    def next_until(self, to: float) -> tuple[Hashable, float, int] | None:
+        """The next completion as ``(key, time, version)`` if it comes by ``to``.
+
+        Time moves to that completion, or to ``to`` (when finite) if none comes first.
+        The planner's loop: one call per completion, instead of a look and a move.
+        """
+        top = self._top()
+        if top is None:
+            if to != math.inf:
+                self.now = max(self.now, to)
+            return None
+        rate = self._rate
+        finish = self.now + (top[0] - self.progress) / rate
+        if finish > to:
+            self.generated += len(self._active) * (to - self.now) * rate
+            self.progress += (to - self.now) * rate
+            self.now = max(self.now, to)
+            return None
+        return self._complete(top, finish)
+
+    def _complete(self, top: tuple[float, int, _Seq], finish: float) -> tuple[Hashable, float, int]:
+        heapq.heappop(self._heap)
+        seq = top[2]
+        self.generated += len(self._active) * (top[0] - self.progress)
+        self.progress = top[0]
+        self.now = max(self.now, finish)
+        del self._active[seq.key]
+        seq.live = False
+        self._set_rate()
+        assert seq.version is not None
+        self._fill()
+        return seq.key, self.now, seq.version
+
     def advance(self, to: float) -> list[tuple[Hashable, float, int]]:
         """Move time to ``to``; completions on the way as ``(key, time, version)``."""
         done: list[tuple[Hashable, float, int]] = []
@@ -152,14 +186,4 @@ class EngineModel:
                 self.progress += (to - self.now) * rate
                 self.now = max(self.now, to)
                 return done
-            heapq.heappop(self._heap)
-            seq = top[2]
-            self.generated += len(self._active) * (top[0] - self.progress)
-            self.progress = top[0]
-            self.now = max(self.now, finish)
-            del self._active[seq.key]
-            seq.live = False
-            self._set_rate()
-            assert seq.version is not None
-            done.append((seq.key, self.now, seq.version))
-            self._fill()
+            done.append(self._complete(top, finish))

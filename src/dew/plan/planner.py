@@ -208,15 +208,8 @@ class _Run:
     def run_until(self, t: float, stop: Callable[[], bool] | None = None) -> None:
         """Process completions up to time ``t`` (or until ``stop()`` after one)."""
         engine = self.engine
-        while True:
-            nxt = engine.next_completion()
-            if nxt is None and math.isinf(t):
-                return  # idle: nothing will ever happen
-            if nxt is None or nxt > t:
-                engine.advance(t)
-                return
-            for key, at, version in engine.advance(nxt):
-                self._finished(key, at, version)
+        while (done := engine.next_until(t)) is not None:
+            self._finished(*done)
             if stop is not None and stop():
                 return
 

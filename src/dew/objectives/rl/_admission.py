@@ -34,7 +34,7 @@ from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Any
+from typing import Any, NamedTuple
 
 from dew.objectives.rl.sessions import (
     Rollout,
@@ -48,14 +48,12 @@ from dew.objectives.rl.sessions import (
 __all__ = ["Admission", "Cancel", "Consumed", "Start"]
 
 
-@dataclass(frozen=True)
-class Start:
+class Start(NamedTuple):  # named tuples: one is made per start and per cancel
     task: Task
     key: RolloutKey
 
 
-@dataclass(frozen=True)
-class Cancel:
+class Cancel(NamedTuple):
     key: RolloutKey
 
 
@@ -412,10 +410,11 @@ class Admission:
         b = self._batches[0]
         if not b.submitted:
             return False
-        states = [g.state for g in b.groups]
-        if self.admit is not None and states.count(_G.COMPLETE) >= self.admit:
-            return True
-        return _G.RUNNING not in states
+        if self.admit is not None:
+            if sum(g.state is _G.COMPLETE for g in b.groups) >= self.admit:
+                return True
+        # Asked after every finish event: stop at the first group still running.
+        return all(g.state is not _G.RUNNING for g in b.groups)
 
     def consume(self, updates: int, now: float) -> tuple[Consumed | None, list[Action]]:
         """Take the oldest batch if it is ready and fresh at ``updates``.
