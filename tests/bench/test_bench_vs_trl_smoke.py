@@ -1,0 +1,125 @@
+"""bench/vs_trl.py end to end for a couple of steps, and the pieces its figures rest on."""
+
+from __future__ import annotations
+
+import importlib.util
+import re
+import subprocess
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+from dew.demo.model import make_tokenizer
+from dew.objectives.rl.sessions import Task
+
+BENCH = Path(__file__).resolve().parents[2] / "bench"
+
+
+def _load_common() -> ModuleType:
+    # loaded from its file, so bench/ never goes onto sys.path for the other tests
+    spec = importlib.util.spec_from_file_location(
+        "bench_vs_trl_common", BENCH / "_vs_trl_common.py"
+    )
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up while being built
+    spec.loader.exec_module(module)
+    return module
+
+
+common = _load_common()
+RunResult, RunSpec, TwoTurnCopyEnv = common.RunResult, common.RunSpec, common.TwoTurnCopyEnv
+make_two_turn, time_to_reward = common.make_two_turn, common.time_to_reward
+two_turn_max_chain = common.two_turn_max_chain
+
+
+def test_time_to_reward_needs_a_full_window_at_the_threshold() -> None:
+    seconds = [float(i + 1) for i in range(14)]
+    # one perfect step early on is not a window of 10
+    assert time_to_reward([1.0] + [0.0] * 13, seconds) is None
+    rewards = [0.0] * 4 + [1.0] * 10
+    # windows ending at steps 10..14 average 0.6, 0.7, ..., 1.0: the first is enough
+    assert time_to_reward(rewards, seconds) == (10, 10.0)
+    assert time_to_reward([0.59] * 30, [1.0] * 30) is None
+    assert time_to_reward([0.6] * 10, seconds[:10]) == (10, 10.0)
+    with pytest.raises(ValueError, match="differ in length"):
+        time_to_reward([0.1], [])
+
+
+def test_run_result_figures_and_json_round_trip() -> None:
+    spec = RunSpec(
+        "trl", "single", seed=3, threads=2, max_seconds=9.0, max_steps=20, stop_at_reward=True
+    )
+    result = RunResult(
+        spec=spec, rows=128, rewards=[0.7] * 10, step_seconds=[0.5 * (i + 1) for i in range(10)]
+    )
+    assert result.completions_per_second == pytest.approx(10 * 128 / 5.0)
+    assert result.seconds_per_step == pytest.approx(0.5)
+    assert result.reached() == (10, 5.0)
+    assert RunResult.from_json(result.to_json()) == result
+    with pytest.raises(ValueError, match="system="):
+        RunSpec("vllm", "single", 0, 2, 1.0, 1, True)
+
+
+def test_two_turn_env_scores_each_turn_with_the_demo_verifier() -> None:
+    tokenizer = make_tokenizer()
+    task = make_two_turn(4, seed=0, tokenizer=tokenizer)
+    slept: list[float] = []
+    env = TwoTurnCopyEnv(task, latency=0.02, sleep=slept.append)
+    first, second = task.parts[2]
+    assert env.reset(Task(id="2")) == first + "="
+    assert env.step(first) == second + "="  # all three digits right
+    wrong = "".join("1" if c != "1" else "2" for c in second)
+    assert env.step(second[0] + wrong[1:]) is None  # one of three right; the episode ends
+    assert env.score() == pytest.approx({"turn1": 0.5, "turn2": 0.5 / 3})
+    assert slept == [0.02, 0.02]
+    with pytest.raises(ValueError, match="no such two-turn task"):
+        env.reset(Task(id="4"))
+    # the longest episode: chat prompt, 3 tokens, end of turn + next user turn, 3 tokens
+    assert two_turn_max_chain(tokenizer, 3) > 2 * 3 + len(first)
+
+
+@pytest.mark.timeout(180)
+def test_vs_trl_bench_tiny() -> None:
+    results = BENCH / "RESULTS.md"
+    before = results.read_text() if results.exists() else None
+    out = subprocess.run(
+        [sys.executable, str(BENCH / "vs_trl.py"), "--tiny"],
+        capture_output=True,
+        text=True,
+        timeout=170,
+        check=False,
+    )
+    assert out.returncode == 0, out.stderr[-4000:]
+    text = out.stdout
+    rate = r"[\d,]+"
+    for system in ("dew", "TRL"):
+        row = re.search(
+            rf"^\| {system} \| 0 \| not reached in 2 steps \| 2 \| ({rate}) \| (\d+\.\d+) \|$",
+            text,
+            re.M,
+        )
+        assert row, text
+        assert int(row[1].replace(",", "")) > 0 and float(row[2]) > 0
+        assert re.search(
+            rf"^\| {system} \| median \| .+ \| 2 \| {rate} \| \d+\.\d+ \|$", text, re.M
+        )
+    for run in (
+        "dew async \\(ahead 1\\)",
+        "dew sync \\(ahead 0\\)",
+        "TRL GRPOTrainer \\(rollout_func\\)",
+    ):
+        row = re.search(
+            rf"^\| {run} \| 0 \| 2 \| (\d+\.\d+) \| ({rate}) "
+            rf"\| not reached in 2 steps \| (\d+\.\d+) \|$",
+            text,
+            re.M,
+        )
+        assert row, text
+        assert float(row[1]) > 0 and int(row[2].replace(",", "")) > 0
+        assert 0.0 <= float(row[3]) <= 1.0
+    assert re.search(r"^- completions/s, dew / TRL \(medians\): \d+\.\d+x$", text, re.M), text
+    assert re.search(r"^- completions/s, dew async / dew sync: \d+\.\d+x$", text, re.M), text
+    assert (results.read_text() if results.exists() else None) == before  # --tiny writes nothing
