@@ -253,6 +253,16 @@ def _seeds(text: str) -> list[int]:
     return seeds
 
 
+def _threads(system: str, args: argparse.Namespace) -> int:
+    return args.dew_threads if system == "dew" else args.threads
+
+
+def _thread_text(args: argparse.Namespace) -> str:
+    if args.dew_threads == args.threads:
+        return f"{args.threads} torch threads per run"
+    return f"TRL {args.threads} torch threads per run, dew {args.dew_threads}"
+
+
 def run_single(seeds: list[int], args: argparse.Namespace) -> dict[str, list[RunResult]]:
     results: dict[str, list[RunResult]] = {"dew": [], "trl": []}
     print("single-turn copy task", file=sys.stderr, flush=True)
@@ -262,7 +272,7 @@ def run_single(seeds: list[int], args: argparse.Namespace) -> dict[str, list[Run
                 system=system,
                 task="single",
                 seed=seed,
-                threads=args.threads,
+                threads=_threads(system, args),
                 max_seconds=args.max_seconds,
                 max_steps=args.max_steps,
                 stop_at_reward=True,
@@ -282,7 +292,7 @@ def run_multi(seeds: list[int], args: argparse.Namespace) -> dict[str, list[RunR
                 system=system,
                 task="multi",
                 seed=seed,
-                threads=args.threads,
+                threads=_threads(system, args),
                 max_seconds=args.mt_steps * 10.0,  # a cap the step count reaches first
                 max_steps=args.mt_steps,
                 stop_at_reward=False,
@@ -307,8 +317,10 @@ def method(args: argparse.Namespace) -> str:
         "normalizer, as dew's). Time to reward: wall seconds from the start of training "
         f"until the mean reward of the last {WINDOW} steps first reaches {THRESHOLD} (runs "
         f"capped at {args.max_seconds:g} s); completions/s: completions trained / wall "
-        "seconds of training. Each run is its own process, one at a time, torch pinned to "
-        f"{args.threads} threads. Two-turn task: the same skill over two turns of three "
+        "seconds of training. Each run is its own process, one at a time, torch pinned "
+        f"({_thread_text(args)}; dew's engine and trainer threads compute at the same time, "
+        "TRL's generation and training one after the other). Two-turn task: the same "
+        "skill over two turns of three "
         f"digits, {args.latency * 1000:g} ms slept in every environment step, "
         f"{args.mt_steps} steps per run; a completion is a whole episode. TRL runs it "
         "through `rollout_func` (its tools / `environment_factory` path continues a "
@@ -322,6 +334,9 @@ def main() -> None:
     ap.add_argument("--seeds", default="0,1,2", help="seeds of the single-turn runs")
     ap.add_argument("--mt-seeds", default="0", help="seeds of the two-turn runs")
     ap.add_argument("--threads", type=int, default=2, help="torch threads of every run")
+    ap.add_argument(
+        "--dew-threads", type=int, default=None, help="torch threads of dew's runs (--threads)"
+    )
     ap.add_argument("--max-seconds", type=float, default=300.0, help="cap per single-turn run")
     ap.add_argument("--max-steps", type=int, default=5000, help="step cap per single-turn run")
     ap.add_argument("--mt-steps", type=int, default=400, help="steps of every two-turn run")
@@ -334,8 +349,10 @@ def main() -> None:
         seeds, mt_seeds = seeds[:1], mt_seeds[:1]
         args.max_steps, args.mt_steps, args.max_seconds = 2, 2, 60.0
         args.write = False
-    if args.threads < 1:
-        raise SystemExit("--threads must be >= 1")
+    if args.dew_threads is None:
+        args.dew_threads = args.threads
+    if args.threads < 1 or args.dew_threads < 1:
+        raise SystemExit("--threads and --dew-threads must be >= 1")
     if find_spec("trl") is None:
         raise SystemExit(
             "trl is not installed here; it comes with the dev extra: pip install -e '.[dev]'"
@@ -353,12 +370,12 @@ def main() -> None:
     print(body)
     for name, measured, target, status in single.rows + multi.rows:
         print(f"{name}: {measured}; target {target}: {status}")
-    print(f"\nbench wall time: {elapsed:.0f} s ({args.threads} torch threads per run)")
+    print(f"\nbench wall time: {elapsed:.0f} s ({_thread_text(args)})")
     if not args.write:
         return
     command = " ".join([".venv/bin/python", "bench/vs_trl.py", *sys.argv[1:]])
     host = machine(
-        f"torch {version('torch')} ({args.threads} threads per run)",
+        f"torch {version('torch')} ({_thread_text(args)})",
         f"transformers {version('transformers')}",
         f"trl {version('trl')}",
     )

@@ -33,6 +33,8 @@ what is measured is the scheduling — admission, the driver thread, packing.
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import math
 import threading
 import time
@@ -354,7 +356,9 @@ def run_scheduler(
             truncation="mask",
             log=log,
         )
-        with scheduler:
+        gc.freeze()  # as fit does: full collections scan only what the run allocates
+        with scheduler, contextlib.ExitStack() as thaw:
+            thaw.callback(gc.unfreeze)
             start_generated = source.generated()
             prefetch = Prefetch(scheduler.tasks(dataset).stream(), depth=policy.ahead)
             for k in range(scenario.steps):
