@@ -83,14 +83,9 @@ class EngineModel:
     def queued(self) -> int:
         return len(self._queued)
 
-    def _set_rate(self) -> None:
-        n = len(self._active)
-        self._rate = 1.0 / (self.config.a + self.config.b * n) if n else 0.0
-
     def _fill(self) -> None:
+        """Admit queued requests into free slots; always leaves ``_rate`` current."""
         queue, active, cap = self._queue, self._active, self.config.max_active
-        if not queue or len(active) >= cap:
-            return
         while queue and len(active) < cap:
             seq = queue.popleft()
             if self._queued.pop(seq.key, None) is None:
@@ -100,7 +95,8 @@ class EngineModel:
             active[seq.key] = seq
             self._tiebreak += 1
             heapq.heappush(self._heap, (seq.start_p + seq.length, self._tiebreak, seq))
-        self._set_rate()
+        n = len(active)
+        self._rate = 1.0 / (self.config.a + self.config.b * n) if n else 0.0
 
     def _top(self) -> tuple[float, int, _Seq] | None:
         heap = self._heap
@@ -117,7 +113,8 @@ class EngineModel:
         seq = _Seq(key, int(length))
         self._queue.append(seq)
         self._queued[key] = seq
-        self._fill()
+        if len(self._active) < self.config.max_active:  # else it waits its turn in the queue
+            self._fill()
 
     def cancel(self, key: Hashable) -> tuple[float, int | None] | None:
         """Drop a request; ``(tokens it had generated, its version)`` or None if unknown."""
@@ -127,7 +124,6 @@ class EngineModel:
         if seq is None:
             return None
         seq.live = False
-        self._set_rate()
         self._fill()
         return min(self.progress - seq.start_p, seq.length), seq.version
 
@@ -166,7 +162,6 @@ class EngineModel:
         self.now = max(self.now, finish)
         del self._active[seq.key]
         seq.live = False
-        self._set_rate()
         assert seq.version is not None
         self._fill()
         return seq.key, self.now, seq.version
