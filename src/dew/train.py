@@ -30,8 +30,8 @@ Not thread-based: the loop runs on the caller's thread; the scheduler owns its o
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-import gc
 import json
 import logging
 import math
@@ -44,6 +44,7 @@ from typing import Any, Protocol
 
 from dew import _checkpoint
 from dew._checkpoint import CheckpointError
+from dew._collector import frozen
 from dew._sinks import JsonlSink, Sink, tensorboard_sink
 from dew.data import Batch, Dataset, Prefetch
 
@@ -217,10 +218,10 @@ def fit(
             keep=keep,
         )
 
-    # Model, optimizer, data and the imported libraries live for the whole run: freezing
-    # them keeps the cyclic collector's full passes to what the run allocates (unfrozen,
-    # one pass over a loaded process stalled every thread for ~0.1 s, scheduler included).
-    gc.freeze()
+    # Model, optimizer, data and the imported libraries live for the whole run: frozen,
+    # they are out of the cyclic collector's passes (see dew._collector).
+    thaw = contextlib.ExitStack()
+    thaw.enter_context(frozen())
     try:
         # 2. Open the stream where the checkpoint left it.
         tasks = rollout.tasks(dataset) if hasattr(rollout, "tasks") else dataset
@@ -286,7 +287,7 @@ def fit(
         elif result.checkpoint is None:
             result.checkpoint = last
     finally:
-        gc.unfreeze()
+        thaw.close()
         for sink in sinks:
             sink.close()
     return result

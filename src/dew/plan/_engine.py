@@ -169,16 +169,6 @@ class EngineModel:
     def advance(self, to: float) -> list[tuple[Hashable, float, int]]:
         """Move time to ``to``; completions on the way as ``(key, time, version)``."""
         done: list[tuple[Hashable, float, int]] = []
-        while True:
-            top = self._top()
-            if top is None:
-                self.now = max(self.now, to)
-                return done
-            rate = self._rate
-            finish = self.now + (top[0] - self.progress) / rate
-            if finish > to:
-                self.generated += len(self._active) * (to - self.now) * rate
-                self.progress += (to - self.now) * rate
-                self.now = max(self.now, to)
-                return done
-            done.append(self._complete(top, finish))
+        while (completion := self.next_until(to)) is not None:
+            done.append(completion)
+        return done

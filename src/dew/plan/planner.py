@@ -27,15 +27,14 @@ are compared in admitted samples per second beside their length bias.
 
 from __future__ import annotations
 
-import contextlib
-import gc
 import math
 from collections import defaultdict
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
 
+from dew._collector import paused
 from dew.objectives.rl._admission import Admission, Cancel, Consumed, Start
 from dew.objectives.rl.sessions import Call, Rollout, RolloutKey, Status, Task
 from dew.plan._engine import EngineConfig, EngineModel
@@ -271,24 +270,12 @@ class _Run:
         )
 
 
-@contextlib.contextmanager
-def _collector_paused() -> Iterator[None]:
-    # A plan allocates a few objects per simulated rollout, nearly all short-lived and
-    # freed by reference counting; the cyclic collector's passes over them took about a
-    # quarter of a 128 x 16 plan. Paused for the plan only, and only if it was running.
-    was = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if was:
-            gc.enable()
-
-
 def simulate(policy: Policy, scenario: Scenario) -> Trace:
     """The planned run's trace, step by step (simulated seconds)."""
     run = _Run(policy, scenario)
-    with _collector_paused():
+    # A plan allocates a few objects per simulated rollout, nearly all freed by reference
+    # counting; collector passes over them took about a quarter of a 128 x 16 plan.
+    with paused():
         steps = [run.step(k) for k in range(scenario.steps)]
     return Trace(
         steps=steps,

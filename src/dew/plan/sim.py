@@ -33,8 +33,6 @@ what is measured is the scheduling — admission, the driver thread, packing.
 
 from __future__ import annotations
 
-import contextlib
-import gc
 import math
 import threading
 import time
@@ -44,6 +42,7 @@ from typing import Any
 
 import numpy as np
 
+from dew._collector import frozen
 from dew.data import Dataset, Prefetch
 from dew.objectives.rl.scheduler import RolloutScheduler, SchedulerRecord
 from dew.objectives.rl.sessions import Call, Rollout, RolloutKey, Session, Status, Task
@@ -356,9 +355,7 @@ def run_scheduler(
             truncation="mask",
             log=log,
         )
-        gc.freeze()  # as fit does: full collections scan only what the run allocates
-        with scheduler, contextlib.ExitStack() as thaw:
-            thaw.callback(gc.unfreeze)
+        with scheduler, frozen():  # as fit does: collector passes skip the set-up heap
             start_generated = source.generated()
             prefetch = Prefetch(scheduler.tasks(dataset).stream(), depth=policy.ahead)
             for k in range(scenario.steps):

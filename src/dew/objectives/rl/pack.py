@@ -42,6 +42,7 @@ from dew.objectives.rl.sessions import (
     Truncation,
     _chain_runs,
     _Run,
+    _trained_mask,
     truncation_policy,
 )
 
@@ -247,7 +248,7 @@ class _Rows:
                 n = sum(len(run.tokens) for run in runs)
                 fits = room >= n  # [rows]
                 if with_support:
-                    flags = np.repeat([run.trained for run in runs], [len(r.tokens) for r in runs])
+                    flags = _trained_mask(runs)  # [n]
                     k = int(np.count_nonzero(flags))
                     counts = np.zeros(n, dtype=np.int64)  # [n]
                     counts[flags] = all_counts[tok_at : tok_at + k]

@@ -443,11 +443,16 @@ def _chain_runs(calls: Sequence[Call]) -> list[list[_Run]]:
     return out
 
 
+def _trained_mask(runs: Sequence[_Run]) -> np.ndarray:
+    """[n] bool over a chain's tokens: True on completion tokens."""
+    return np.repeat(np.array([r.trained for r in runs], dtype=bool), [len(r.tokens) for r in runs])
+
+
 def _join_runs(runs: Sequence[_Run]) -> Chain:
     """The :class:`Chain` made of ``runs`` (as :func:`_chain_runs` gives them)."""
     lengths = [len(r.tokens) for r in runs]
-    flags = np.repeat([r.trained for r in runs], lengths)  # [n]
-    log_probs = np.zeros(sum(lengths))  # [n]
+    flags = _trained_mask(runs)  # [n]
+    log_probs = np.zeros(len(flags))  # [n]
     trained_lp = [r.log_probs for r in runs if r.log_probs is not None]
     if trained_lp:
         log_probs[flags] = np.concatenate(trained_lp)
@@ -457,7 +462,7 @@ def _join_runs(runs: Sequence[_Run]) -> Chain:
             support.extend(r.support)
     return Chain(
         np.concatenate([r.tokens for r in runs]),
-        flags.astype(bool),
+        flags,
         log_probs,
         np.repeat(np.asarray([r.version for r in runs], dtype=np.int64), lengths),
         tuple(support),
