@@ -30,7 +30,6 @@ Not thread-based: the loop runs on the caller's thread; the scheduler owns its o
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import json
 import logging
@@ -44,7 +43,6 @@ from typing import Any, Protocol
 
 from dew import _checkpoint
 from dew._checkpoint import CheckpointError
-from dew._collector import frozen
 from dew._sinks import JsonlSink, Sink, tensorboard_sink
 from dew.data import Batch, Dataset, Prefetch
 
@@ -218,10 +216,6 @@ def fit(
             keep=keep,
         )
 
-    # Model, optimizer, data and the imported libraries live for the whole run: frozen,
-    # they are out of the cyclic collector's passes (see dew._collector).
-    thaw = contextlib.ExitStack()
-    thaw.enter_context(frozen())
     try:
         # 2. Open the stream where the checkpoint left it.
         tasks = rollout.tasks(dataset) if hasattr(rollout, "tasks") else dataset
@@ -287,7 +281,6 @@ def fit(
         elif result.checkpoint is None:
             result.checkpoint = last
     finally:
-        thaw.close()
         for sink in sinks:
             sink.close()
     return result
