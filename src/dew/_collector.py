@@ -2,7 +2,7 @@
 
 A trainer process holds a large, long-lived heap (the model, the optimizer, the data,
 every imported library). A full pass of the cyclic collector walks all of it, and while
-it runs no thread moves: measured in bench/schedule.py's process, one pass held
+it runs no thread moves: measured in a simulated-engine scheduler run (dew.plan.sim), one pass held
 every thread for up to 0.1 s. Two remedies, each undone on the way out:
 
 * :func:`frozen` for a loop over a large set-up heap (the simulated scheduler run):
