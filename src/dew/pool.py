@@ -212,7 +212,11 @@ class Pool:
         ) from exc
 
     def close(self) -> None:
-        """Leave the process group (a local operation on gloo; safe after a failure)."""
+        """Leave the process group (a local operation on gloo; safe after a failure).
+
+        The group, and gloo's worker threads with it, are released here, while the
+        interpreter is alive, unless other code still holds a reference to it.
+        """
         import torch.distributed as dist
 
         if dist.is_initialized():
@@ -288,6 +292,14 @@ def init_pool(
         raise ValueError(
             f"readers_per_share={readers_per_share} must divide the world size {world}"
         )
+    # torch.distributed.nn binds the default group as a default argument when it is
+    # first imported. Imported after the group exists (transformers imports it while
+    # building a model), it keeps the group alive past destroy_process_group; gloo's
+    # worker threads then outlive the interpreter, and one that releases a finished
+    # collective's tensors during shutdown needs the GIL and aborts the process
+    # ("terminate called without an active exception"). Imported first, it binds None.
+    import torch.distributed.nn  # noqa: F401
+
     span = timedelta(seconds=timeout)
     store, rank, world = next(dist.rendezvous("env://", timeout=span))
     dist.init_process_group(

@@ -268,11 +268,15 @@ def main(config: dict[str, Any]) -> int:
         print(f"rank {os.environ.get('RANK')}: {out['error']}", file=sys.stderr, flush=True)
         code = 3
     finally:
+        if pool is not None:
+            pool.close()
+        # Threads of this process still running (Linux): gloo's must be gone with the
+        # group, or they may be torn down with the interpreter and abort it.
+        tasks = Path("/proc/self/task")
+        out["threads_after_close"] = len(list(tasks.iterdir())) if tasks.exists() else None
         out["exit_time"] = time.time()
         (out_dir / f"rank{rank}.json.tmp").write_text(json.dumps(out))
         os.replace(out_dir / f"rank{rank}.json.tmp", out_dir / f"rank{rank}.json")
-        if pool is not None:
-            pool.close()
     return code
 
 

@@ -39,6 +39,8 @@ def _check_pool_runs(run: Run, n: int) -> None:
     ranks = [run.ranks[r] for r in range(n)]
     # 1. Synchronized after every update, and the updates really changed the model.
     for out in ranks:
+        # Closing the pool stopped gloo's threads (none left to die with the interpreter).
+        assert out["threads_after_close"] in (None, 1), out["threads_after_close"]
         assert out["synchronized"] == list(range(1, STEPS + 1))
         assert len(set(out["params"])) == STEPS
     assert all(out["params"] == ranks[0]["params"] for out in ranks)
