@@ -61,6 +61,16 @@ def test_length_draws_are_deterministic_and_quantized():
     assert -(-exact.get(5, 3, 2)[0] // 64) * 64 == d1.get(5, 3, 2)[0]
 
 
+def test_first_tokens_sums_the_first_attempts():
+    # Spans a task-block boundary (256) so two tables are read.
+    d = LengthDraws(PRESETS["dapo"], seed=1)
+    want = sum(d.get(t, s)[0] for t in range(250, 262) for s in range(5))
+    assert LengthDraws(PRESETS["dapo"], seed=1).first_tokens(250, 12, 5) == want
+    assert d.first_tokens(7, 0, 5) == 0
+    with pytest.raises(ValueError, match="group=65"):
+        d.first_tokens(0, 1, 65)
+
+
 def test_bad_input_names_the_parameter():
     with pytest.raises(ValueError, match="preset='nope'"):
         preset("nope")

@@ -29,14 +29,13 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from dew._collector import paused
 from dew.objectives.rl._admission import Admission, Cancel, Consumed, Start
-from dew.objectives.rl.sessions import Call, Rollout, RolloutKey, Status, Task
+from dew.objectives.rl.sessions import Call, RolloutKey, Status, Task, _rollout_unchecked
 from dew.plan._engine import EngineConfig, EngineModel
 from dew.plan._trace import BatchLedger, Figures, StepTrace, Trace, summarize
 from dew.plan.presets import LengthDraws, LengthPreset, preset
@@ -136,15 +135,12 @@ def generation_time(p: LengthPreset, tasks: int, group: int, engine: EngineConfi
 
 def limit_steps(scenario: Scenario, draws: LengthDraws) -> list[float]:
     """Per step, ``max(T, nominal batch tokens / full throughput)``."""
-    out = []
-    for k in range(scenario.steps):
-        tokens = sum(
-            draws.get(k * scenario.tasks + i, s)[0]
-            for i in range(scenario.tasks)
-            for s in range(scenario.group)
-        )
-        out.append(max(scenario.T, tokens / scenario.engine.full_throughput))
-    return out
+    tasks, group = scenario.tasks, scenario.group
+    full = scenario.engine.full_throughput
+    return [
+        max(scenario.T, draws.first_tokens(k * tasks, tasks, group) / full)
+        for k in range(scenario.steps)
+    ]
 
 
 class _Run:
@@ -167,7 +163,6 @@ class _Run:
         self.info: dict[RolloutKey, tuple[Task, int, int, bool]] = {}
         self.ledgers: defaultdict[int, BatchLedger] = defaultdict(BatchLedger)
         self.registered = 0
-        self.touched: set[int] = set()  # batches with a completion since the last clear
         self._calls: dict[tuple[int, bool], Call] = {}  # (version, truncated) -> shared call
 
     def execute(self, actions: list[Start | Cancel]) -> None:
@@ -187,31 +182,29 @@ class _Run:
 
     def _finished(self, key: RolloutKey, at: float, version: int) -> None:
         task, tid, length, truncated = self.info[key]
-        batch = tid // self.sc.tasks
-        self.touched.add(batch)
-        self.ledgers[batch].generated += length
+        self.ledgers[tid // self.sc.tasks].generated += length
         call = self._calls.get((version, truncated))
         if call is None:  # calls are immutable: one per (version, finish) serves every rollout
             reason = "length" if truncated else "stop"
             call = self._calls[(version, truncated)] = Call(
                 _PROMPT, _ONE, _ONE_LP, version, finish_reason=reason
             )
-        rollout = Rollout(
-            key=key,
-            task=task,
-            status=Status.TRUNCATED if truncated else Status.COMPLETED,
-            calls=(call,),
-            reward=float((tid + key.sample) % 2),
-            truncation="length" if truncated else None,
+        rollout = _rollout_unchecked(
+            key,
+            task,
+            Status.TRUNCATED if truncated else Status.COMPLETED,
+            (call,),
+            float((tid + key.sample) % 2),
+            "length" if truncated else None,
         )
         self.execute(self.adm.finished(key, rollout, at))
 
-    def run_until(self, t: float, stop: Callable[[], bool] | None = None) -> None:
-        """Process completions up to time ``t`` (or until ``stop()`` after one)."""
-        engine = self.engine
+    def run_until(self, t: float, batch: int | None = None) -> None:
+        """Process completions up to time ``t``, or up to the first one in ``batch``."""
+        engine, tasks, info = self.engine, self.sc.tasks, self.info
         while (done := engine.next_until(t)) is not None:
             self._finished(*done)
-            if stop is not None and stop():
+            if batch is not None and info[done[0]][1] // tasks == batch:
                 return
 
     def register_until(self, n: int) -> None:
@@ -239,8 +232,7 @@ class _Run:
             if engine.next_completion() is None:
                 raise RuntimeError(f"step {k}: the batch can never complete (nothing running)")
             # Only a completion in batch k can make it consumable.
-            self.touched.clear()
-            self.run_until(math.inf, stop=lambda: k in self.touched)
+            self.run_until(math.inf, batch=k)
         ready = engine.now
         out = consumed[0]
         assert out is not None

@@ -168,6 +168,20 @@ class LengthDraws:
         self._tables[(tblock, attempt)] = table
         return table
 
+    def first_tokens(self, first: int, tasks: int, group: int) -> int:
+        """Total length of samples ``0 .. group - 1``, first attempt, of ``tasks`` tasks
+        from task ``first`` on: what :meth:`get` gives, summed a table row at a time."""
+        if not 0 <= group <= self.block:
+            raise ValueError(f"group={group} must be in [0, {self.block}]")
+        if first < 0 or tasks < 0:
+            raise ValueError(f"first={first} and tasks={tasks} must be >= 0")
+        total = 0
+        for task in range(first, first + tasks):
+            tblock, row = divmod(task, _TASK_BLOCK)
+            table = self._tables.get((tblock, 0)) or self._table(tblock, 0)
+            total += sum(table[0][row][:group])
+        return total
+
     def get(self, task: int, sample: int, attempt: int = 0) -> tuple[int, bool]:
         """``(length, truncated)`` of one draw; the same arguments give the same answer."""
         if not 0 <= sample < self.block:

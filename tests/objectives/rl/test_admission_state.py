@@ -250,6 +250,10 @@ class AdmissionMachine(RuleBasedStateMachine):
             if key in held:
                 assert key in self.finished
         for batch in self.adm._batches:
+            # The per-batch counts ready() trusts equal a recount of the groups.
+            states = [g.state.name for g in batch.groups]
+            assert batch.running == states.count("RUNNING"), (batch.running, states)
+            assert batch.complete == states.count("COMPLETE"), (batch.complete, states)
             for g in batch.groups:
                 for s in g.samples:
                     assert s.failures <= self.adm.max_attempts

@@ -533,3 +533,22 @@ def test_session_metrics_without_batch_or_rollouts() -> None:
     m = session_metrics([rollout()], batch, updates=0)
     assert m["masked_share"] == 0.0 and m["trained_tokens"] == 1.0
     assert m["token_lag_mean"] == 0.0
+
+
+@pytest.mark.parametrize("status", [Status.COMPLETED, Status.TRUNCATED])
+def test_unchecked_rollout_equals_the_validated_one(status: Status) -> None:
+    # The planner's shortcut must build exactly what the constructor builds.
+    from dew.objectives.rl.sessions import _rollout_unchecked
+
+    calls = (
+        Call([1, 2], [3], [-0.5], 4, finish_reason="length"),
+        Call([1, 2, 3, 7], [5, 6], [-0.1, -0.2], 2),
+    )
+    truncation = "length" if status is Status.TRUNCATED else None
+    args = dict(key=RolloutKey(3, 1, 2), task=Task("9"), status=status, calls=calls)
+    checked = Rollout(**args, reward=0.5, truncation=truncation)
+    fast = _rollout_unchecked(**args, reward=0.5, truncation=truncation)
+    assert type(fast) is Rollout
+    assert vars(fast) == vars(checked)
+    assert fast.oldest_version == 2
+    assert dataclasses.replace(fast, reward=1.0).reward == 1.0  # still a normal Rollout

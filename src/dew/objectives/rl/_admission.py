@@ -106,6 +106,24 @@ class _Batch:
     handle: Any
     groups: list[_Group] = field(default_factory=list)
     submitted: bool = False
+    # Groups by state, kept by _set_state: ready() is asked after every finish event,
+    # and a count answers it without walking the batch's groups.
+    running: int = 0
+    complete: int = 0
+
+
+def _set_state(g: _Group, state: _G) -> None:
+    """The one place a group changes state after it is built (keeps its batch's counts)."""
+    b = g.batch
+    if g.state is _G.RUNNING:
+        b.running -= 1
+    elif g.state is _G.COMPLETE:
+        b.complete -= 1
+    if state is _G.RUNNING:
+        b.running += 1
+    elif state is _G.COMPLETE:
+        b.complete += 1
+    g.state = state
 
 
 @dataclass
@@ -193,6 +211,7 @@ class Admission:
         for task in b.tasks:
             g = _Group(next(self._gid), task, b, [_Sample(i) for i in range(n)])
             b.groups.append(g)
+            b.running += 1
             self._top_up(g, now, actions)
         return actions
 
@@ -277,7 +296,7 @@ class Admission:
             self._top_up(g, now, actions)
 
     def _abandon(self, g: _Group, actions: list[Action]) -> None:
-        g.state = _G.ABANDONED
+        _set_state(g, _G.ABANDONED)
         self.abandoned += 1
         self._release(g, "abandoned", actions)
 
@@ -294,7 +313,7 @@ class Admission:
                 s.state = _S.SURPLUS
 
     def _complete(self, g: _Group, actions: list[Action]) -> None:
-        g.state = _G.COMPLETE
+        _set_state(g, _G.COMPLETE)
         g.order = next(self._order)
         for s in g.samples:
             if s.state is _S.RUNNING:
@@ -303,11 +322,10 @@ class Admission:
                 s.state = _S.SURPLUS
         b = g.batch
         if self.admit is not None:
-            done = sum(x.state is _G.COMPLETE for x in b.groups)
-            if done >= self.admit:
+            if b.complete >= self.admit:
                 for x in b.groups:
                     if x.state is _G.RUNNING:
-                        x.state = _G.DROPPED
+                        _set_state(x, _G.DROPPED)
                         self._release(x, "dropped", actions)
 
     # ------------------------------------------------------------------ events
@@ -399,7 +417,7 @@ class Admission:
                             touched = True
                 if touched:
                     if g.state is _G.COMPLETE and len(g.admitted) < self.groups:
-                        g.state = _G.RUNNING
+                        _set_state(g, _G.RUNNING)
                     self._top_up(g, now, actions)
         return actions
 
@@ -410,11 +428,9 @@ class Admission:
         b = self._batches[0]
         if not b.submitted:
             return False
-        if self.admit is not None:
-            if sum(g.state is _G.COMPLETE for g in b.groups) >= self.admit:
-                return True
-        # Asked after every finish event: stop at the first group still running.
-        return all(g.state is not _G.RUNNING for g in b.groups)
+        if self.admit is not None and b.complete >= self.admit:
+            return True
+        return b.running == 0
 
     def consume(self, updates: int, now: float) -> tuple[Consumed | None, list[Action]]:
         """Take the oldest batch if it is ready and fresh at ``updates``.
@@ -468,7 +484,7 @@ class Admission:
         for b in self._batches:
             for g in b.groups:
                 self._release(g, how, actions)
-                g.state = _G.DROPPED
+                _set_state(g, _G.DROPPED)
         self._deadlines.clear()
         return actions
 
