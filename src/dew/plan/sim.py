@@ -212,10 +212,16 @@ class SimulatedEngineSource:
             if self._closed or self._failure is not None:
                 raise RuntimeError("SimulatedEngineSource is closed") from self._failure
             self._advance()
+            idle = self.engine.active == 0
             self.engine.add(key, length)
             self._live[key] = (session, tid, length, truncated)
             self.ledgers[tid // self.tasks].drawn.append(length)
-            self._cond.notify_all()
+            # An arrival only delays the next completion (one more sequence per
+            # iteration), so a waiting engine thread wakes early at worst and sleeps
+            # again; it is only woken when there was nothing to wait for. Waking it on
+            # every start made it contend for the GIL with the driver's start storm.
+            if idle:
+                self._cond.notify_all()
         return session
 
     def _cancel(self, session: _SimSession) -> None:
