@@ -36,6 +36,22 @@ def test_help_imports_nothing_heavy() -> None:
 
 
 @pytest.mark.timeout(120)
+def test_plan_runs_without_torch() -> None:
+    # The planner uses the scheduler's bookkeeping but no model: `dew plan` must not
+    # pay for importing torch or transformers.
+    probe = (
+        "import sys\n"
+        "from dew.cli import main\n"
+        "main(['plan', '--preset', 'dapo', '--tasks', '8', '--group', '4', '--steps', '6'])\n"
+        "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))\n"
+    )
+    out = python("-c", probe)
+    assert out.returncode == 0, out.stderr
+    assert "ahead 1" in out.stdout, out.stdout
+    assert out.stdout.strip().splitlines()[-1] == "[]"
+
+
+@pytest.mark.timeout(120)
 def test_help_import_time_is_small() -> None:
     # -X importtime reports microseconds per module; dew.cli's cumulative time must be
     # a small fraction of a second (torch alone takes seconds).
