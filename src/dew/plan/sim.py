@@ -361,7 +361,7 @@ def run_scheduler(
             truncation="mask",
             log=log,
         )
-        with scheduler, frozen():  # as fit does: collector passes skip the set-up heap
+        with scheduler, frozen():  # collector passes skip the set-up heap
             start_generated = source.generated()
             prefetch = Prefetch(scheduler.tasks(dataset).stream(), depth=policy.ahead)
             for k in range(scenario.steps):
