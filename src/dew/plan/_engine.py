@@ -74,6 +74,7 @@ class EngineModel:
         self._heap: list[tuple[float, int, _Seq]] = []  # (finish progress, tiebreak, seq)
         self._tiebreak = 0
         self._rate = 0.0  # tokens per second per active sequence; kept with _active
+        self._a, self._b, self._cap = config.a, config.b, config.max_active  # read per event
 
     @property
     def active(self) -> int:
@@ -85,7 +86,7 @@ class EngineModel:
 
     def _fill(self) -> None:
         """Admit queued requests into free slots; always leaves ``_rate`` current."""
-        queue, active, cap = self._queue, self._active, self.config.max_active
+        queue, active, cap = self._queue, self._active, self._cap
         while queue and len(active) < cap:
             seq = queue.popleft()
             if self._queued.pop(seq.key, None) is None:
@@ -96,7 +97,7 @@ class EngineModel:
             self._tiebreak += 1
             heapq.heappush(self._heap, (seq.start_p + seq.length, self._tiebreak, seq))
         n = len(active)
-        self._rate = 1.0 / (self.config.a + self.config.b * n) if n else 0.0
+        self._rate = 1.0 / (self._a + self._b * n) if n else 0.0
 
     def _top(self) -> tuple[float, int, _Seq] | None:
         heap = self._heap
@@ -113,7 +114,7 @@ class EngineModel:
         seq = _Seq(key, int(length))
         self._queue.append(seq)
         self._queued[key] = seq
-        if len(self._active) < self.config.max_active:  # else it waits its turn in the queue
+        if len(self._active) < self._cap:  # else it waits its turn in the queue
             self._fill()
 
     def cancel(self, key: Hashable) -> tuple[float, int | None] | None:

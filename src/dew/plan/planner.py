@@ -166,7 +166,10 @@ class _Run:
         self._calls: dict[tuple[int, bool], Call] = {}  # (version, truncated) -> shared call
 
     def execute(self, actions: list[Start | Cancel]) -> None:
+        if not actions:  # most finish events start and cancel nothing
+            return
         tasks, draws, engine, info = self.sc.tasks, self.draws, self.engine, self.info
+        ledgers, batch, drawn = self.ledgers, -1, []
         for action in actions:
             key = action.key
             if type(action) is Start:
@@ -174,10 +177,13 @@ class _Run:
                 length, truncated = draws.get(tid, key.sample, key.attempt)
                 engine.add(key, length)
                 info[key] = (action.task, tid, length, truncated)
-                self.ledgers[tid // tasks].drawn.append(length)
+                if tid // tasks != batch:  # a submission's starts are all of one batch
+                    batch = tid // tasks
+                    drawn = ledgers[batch].drawn
+                drawn.append(length)
             else:
                 out = engine.cancel(key)
-                if out is not None:
+                if out is not None and out[0]:  # a queued request had generated nothing
                     self.ledgers[info[key][1] // tasks].generated += out[0]
 
     def _finished(self, key: RolloutKey, at: float, version: int) -> None:
@@ -264,19 +270,22 @@ class _Run:
 
 def simulate(policy: Policy, scenario: Scenario) -> Trace:
     """The planned run's trace, step by step (simulated seconds)."""
-    run = _Run(policy, scenario)
     # A plan allocates a few objects per simulated rollout, nearly all freed by reference
-    # counting; collector passes over them took about a quarter of a 128 x 16 plan.
+    # counting; collector passes over them took about a quarter of a 128 x 16 plan. The
+    # run is dropped before the collector is back, so its first pass does not walk it.
     with paused():
+        run = _Run(policy, scenario)
         steps = [run.step(k) for k in range(scenario.steps)]
-    return Trace(
-        steps=steps,
-        batches=dict(run.ledgers),
-        limit_steps=limit_steps(scenario, run.draws),
-        nominal_samples=scenario.tasks * scenario.group,
-        full_throughput=scenario.engine.full_throughput,
-        generated_at_start=0.0,
-    )
+        trace = Trace(
+            steps=steps,
+            batches=dict(run.ledgers),
+            limit_steps=limit_steps(scenario, run.draws),
+            nominal_samples=scenario.tasks * scenario.group,
+            full_throughput=scenario.engine.full_throughput,
+            generated_at_start=0.0,
+        )
+        del run
+    return trace
 
 
 def plan(policy: Policy, scenario: Scenario) -> Figures:

@@ -184,18 +184,24 @@ def _rollout_unchecked(
     fields are set exactly as the constructor would set them.
     """
     r = object.__new__(Rollout)
-    r.__dict__.update(
-        key=key,
-        task=task,
-        status=status,
-        calls=calls,
-        reward=reward,
-        components=_EMPTY,
-        truncation=truncation,
-        error=None,
-        submitted=None,
-        finished=None,
-        _oldest=min(c.version for c in calls) if calls else None,
+    object.__setattr__(
+        r,
+        "__dict__",
+        {
+            "key": key,
+            "task": task,
+            "status": status,
+            "calls": calls,
+            "reward": reward,
+            "components": _EMPTY,
+            "truncation": truncation,
+            "error": None,
+            "submitted": None,
+            "finished": None,
+            "_oldest": calls[0].version
+            if len(calls) == 1
+            else min((c.version for c in calls), default=None),
+        },
     )
     return r
 
