@@ -184,11 +184,13 @@ class _Run:
             else:
                 out = engine.cancel(key)
                 if out is not None and out[0]:  # a queued request had generated nothing
-                    self.ledgers[info[key][1] // tasks].generated += out[0]
+                    ledgers[info[key][1] // tasks].generated += out[0]
 
-    def _finished(self, key: RolloutKey, at: float, version: int) -> None:
+    def _finished(self, key: RolloutKey, at: float, version: int) -> int:
+        """Admit one completion; returns its batch."""
         task, tid, length, truncated = self.info[key]
-        self.ledgers[tid // self.sc.tasks].generated += length
+        batch = tid // self.sc.tasks
+        self.ledgers[batch].generated += length
         call = self._calls.get((version, truncated))
         if call is None:  # calls are immutable: one per (version, finish) serves every rollout
             reason = "length" if truncated else "stop"
@@ -204,13 +206,13 @@ class _Run:
             "length" if truncated else None,
         )
         self.execute(self.adm.finished(key, rollout, at))
+        return batch
 
     def run_until(self, t: float, batch: int | None = None) -> None:
         """Process completions up to time ``t``, or up to the first one in ``batch``."""
-        engine, tasks, info = self.engine, self.sc.tasks, self.info
+        engine = self.engine
         while (done := engine.next_until(t)) is not None:
-            self._finished(*done)
-            if batch is not None and info[done[0]][1] // tasks == batch:
+            if self._finished(*done) == batch:
                 return
 
     def register_until(self, n: int) -> None:

@@ -312,14 +312,14 @@ class TrainerStandIn:
 def pack_shape(scenario: Scenario, draws: LengthDraws) -> tuple[int, int]:
     """``(rows, width)`` that hold any step's groups with room to spare."""
     width = -(-scenario.preset.cap // draws.quantum) + _PROMPT_TOKENS
-    most = 0
-    for k in range(scenario.steps):
-        tokens = sum(
-            draws.get(k * scenario.tasks + i, s)[0] // draws.quantum + _PROMPT_TOKENS
-            for i in range(scenario.tasks)
-            for s in range(scenario.group)
-        )
-        most = max(most, tokens)
+    tasks, group = scenario.tasks, scenario.group
+    # Every length is a multiple of the quantum, so the carried tokens of a step are its
+    # nominal tokens / quantum, plus one prompt per sample.
+    most = max(
+        draws.first_tokens(k * tasks, tasks, group) // draws.quantum
+        + tasks * group * _PROMPT_TOKENS
+        for k in range(scenario.steps)
+    )
     return int(1.3 * most / width) + 8, width
 
 
