@@ -89,6 +89,7 @@ class Row:
     wall: float  # real seconds of the measured run
     plan_seconds: float  # wall seconds the steady plan took (what `dew plan` costs a policy)
     steady_steps: int
+    plan_repeats: int  # plan_seconds is the median of this many timed plans
 
     @property
     def name(self) -> str:
@@ -103,6 +104,34 @@ class Row:
         return self.real.fraction / self.plan.fraction
 
 
+Cell = tuple[str, int, int, float, Policy]  # preset, tasks, group, T ratio, policy
+
+
+def plan_all(
+    cells: list[Cell], steady_steps: int, repeats: int
+) -> dict[Cell, tuple[Figures, float]]:
+    """Every policy's steady plan, and the median wall seconds of ``repeats`` plans.
+
+    Timed first, before any real run, in a process that has done nothing else yet: that
+    is how ``dew plan`` runs. (Timed between real runs, the same plans were about a
+    sixth slower, and the real runs' threads are joined by then; the cause was not
+    found.) The plan is deterministic, so every repeat gives the same figures.
+    """
+    out = {}
+    for cell in cells:
+        preset, tasks, group, t_ratio, policy = cell
+        long = Scenario.relative(
+            preset, tasks, group, t_ratio, steps=steady_steps, warmup=4, quantum=QUANTUM[preset]
+        )
+        seconds = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            steady = summarize(simulate(policy, long), long.warmup)
+            seconds.append(time.perf_counter() - t0)
+        out[cell] = (steady, float(np.median(seconds)))
+    return out
+
+
 def run_cell(
     preset: str,
     tasks: int,
@@ -113,19 +142,16 @@ def run_cell(
     warmup: int,
     real_step: float,
     steady_steps: int,
+    steady_plans: dict[Cell, tuple[Figures, float]],
+    plan_repeats: int,
 ) -> list[Row]:
     sc = Scenario.relative(
         preset, tasks, group, t_ratio, steps=steps, warmup=warmup, quantum=QUANTUM[preset]
     )
-    long = Scenario.relative(
-        preset, tasks, group, t_ratio, steps=steady_steps, warmup=4, quantum=QUANTUM[preset]
-    )
     rows = []
     for policy in policies(tasks, group):
         planned = summarize(simulate(policy, sc), warmup)
-        t_plan = time.perf_counter()
-        steady = summarize(simulate(policy, long), long.warmup)
-        plan_seconds = time.perf_counter() - t_plan
+        steady, plan_seconds = steady_plans[(preset, tasks, group, t_ratio, policy)]
         scale = real_step / planned.limit_step
         t0 = time.monotonic()
         trace = run_scheduler(policy, sc, scale=scale)
@@ -147,6 +173,7 @@ def run_cell(
                 wall,
                 plan_seconds,
                 steady_steps,
+                plan_repeats,
             )
         )
     return rows
@@ -222,8 +249,11 @@ def planner_speed(rows: list[Row]) -> str:
             f"{shape[0]}x{shape[1]} median {float(np.median(times)):.2f} s, slowest "
             f"{slow.plan_seconds:.2f} s ({slow.preset} T={slow.t_ratio}x {slow.name})"
         )
-    steps = rows[0].steady_steps if rows else 0
-    return f"- planner, wall seconds per policy ({steps} steps): " + "; ".join(parts)
+    steps, repeats = (rows[0].steady_steps, rows[0].plan_repeats) if rows else (0, 0)
+    return (
+        f"- planner, wall seconds per policy ({steps} steps, median of {repeats} "
+        "plans, all timed before the first real run): " + "; ".join(parts)
+    )
 
 
 def _ok(value: float, target: float) -> str:
@@ -284,12 +314,16 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument(
         "--real-step", default="1.2,4.0", help="real seconds of a limit step, per shape"
     )
+    ap.add_argument(
+        "--plan-repeats", type=int, default=3, help="timed plans per policy (median reported)"
+    )
     ap.add_argument("--tiny", action="store_true", help="one small cell; writes nothing")
     ap.add_argument("--write", action="store_true", help="write RESULTS.md and the plot")
     args = ap.parse_args(argv)
     if args.tiny:
         args.presets, args.shapes, args.T = "dapo", "16x4", "1.0"
         args.steps, args.warmup, args.real_step, args.steady_steps = 4, 1, "0.15", 6
+        args.plan_repeats = 1
         args.write = False
     shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
     steps_real = [float(v) for v in args.real_step.split(",")]
@@ -297,23 +331,32 @@ def main(argv: list[str] | None = None) -> None:
         raise ValueError(f"--real-step needs one value per shape ({len(shapes)})")
     _REAL_STEP.update(dict(zip(shapes, steps_real, strict=True)))
     t_start = time.monotonic()
+    grid = [
+        (preset, tasks, group, t)
+        for preset in args.presets.split(",")
+        for tasks, group in shapes
+        for t in (float(v) for v in args.T.split(","))
+    ]
+    steady = plan_all(
+        [(*g, p) for g in grid for p in policies(g[1], g[2])], args.steady_steps, args.plan_repeats
+    )
     rows: list[Row] = []
-    for preset in args.presets.split(","):
-        for tasks, group in shapes:
-            for t in (float(v) for v in args.T.split(",")):
-                cell = run_cell(
-                    preset,
-                    tasks,
-                    group,
-                    t,
-                    steps=args.steps,
-                    warmup=args.warmup,
-                    real_step=_REAL_STEP[(tasks, group)],
-                    steady_steps=args.steady_steps,
-                )
-                rows += cell
-                print(f"\n{preset} {tasks}x{group} T={t}x", flush=True)
-                print(table(cell), flush=True)
+    for preset, tasks, group, t in grid:
+        cell = run_cell(
+            preset,
+            tasks,
+            group,
+            t,
+            steps=args.steps,
+            warmup=args.warmup,
+            real_step=_REAL_STEP[(tasks, group)],
+            steady_steps=args.steady_steps,
+            steady_plans=steady,
+            plan_repeats=args.plan_repeats,
+        )
+        rows += cell
+        print(f"\n{preset} {tasks}x{group} T={t}x", flush=True)
+        print(table(cell), flush=True)
     elapsed = time.monotonic() - t_start
     summary = targets(rows)
     print("\n" + "\n".join(summary))
@@ -335,7 +378,8 @@ def main(argv: list[str] | None = None) -> None:
         "rollouts were in, mostly `pack`) does not scale with time, so its share in the "
         "scaled run is far larger than at real step times (share column). Policies that cut "
         "are read in samples/s vs limit beside their length bias. The steady plan runs "
-        f"{args.steady_steps} steps (its wall time is the planner figure); over the short "
+        f"{args.steady_steps} steps (its wall time, the median of {args.plan_repeats} plans "
+        "timed before any real run, is the planner figure); over the short "
         "window a fraction can exceed 1, as the window's batches were partly generated "
         "before it.",
         "",

@@ -12,6 +12,13 @@ engine started) then orders all completions: a sequence admitted at ``P0`` with
 length ``L`` finishes when ``P`` reaches ``P0 + L``, which a heap finds in
 ``O(log n)``. Time only moves forward through :meth:`EngineModel.advance`.
 
+Slots are filled lazily: an arrival, a cancel or a completion only marks the engine
+for a fill, and the next read that depends on the active set (the next completion,
+``active``, ``queued``, a change of ``served``) does it. Nothing happens between those
+mutations (time stands still), so one fill gives exactly what one fill after each of
+them would: queue order, progress and served version are the same. A plan's
+completion cancels or starts several requests at once, and this fills once for all.
+
 No threads, no clock: the planner jumps from event to event with it, and the
 simulated source advances it to the scaled wall clock under its own lock.
 """
@@ -65,7 +72,7 @@ class EngineModel:
     def __init__(self, config: EngineConfig, now: float = 0.0) -> None:
         self.config = config
         self.now = now
-        self.served = 0  # version of the weights being served
+        self._served = 0  # version of the weights being served
         self.progress = 0.0  # P: tokens generated per active sequence so far
         self.generated = 0.0  # tokens generated in total
         self._queue: deque[_Seq] = deque()
@@ -74,25 +81,42 @@ class EngineModel:
         self._heap: list[tuple[float, int, _Seq]] = []  # (finish progress, tiebreak, seq)
         self._tiebreak = 0
         self._rate = 0.0  # tokens per second per active sequence; kept with _active
+        self._unfilled = False  # a slot may be free for a queued request (see the docstring)
         self._a, self._b, self._cap = config.a, config.b, config.max_active  # read per event
 
     @property
+    def served(self) -> int:
+        """Version of the weights being served; a request gets it with its slot."""
+        return self._served
+
+    @served.setter
+    def served(self, version: int) -> None:
+        if self._unfilled:  # slots freed before the push go out at the old version
+            self._fill()
+        self._served = version
+
+    @property
     def active(self) -> int:
+        if self._unfilled:
+            self._fill()
         return len(self._active)
 
     @property
     def queued(self) -> int:
+        if self._unfilled:
+            self._fill()
         return len(self._queued)
 
     def _fill(self) -> None:
         """Admit queued requests into free slots; always leaves ``_rate`` current."""
+        self._unfilled = False
         queue, active, cap = self._queue, self._active, self._cap
         while queue and len(active) < cap:
             seq = queue.popleft()
             if self._queued.pop(seq.key, None) is None:
                 continue  # cancelled while queued
             seq.start_p = self.progress
-            seq.version = self.served
+            seq.version = self._served
             active[seq.key] = seq
             self._tiebreak += 1
             heapq.heappush(self._heap, (seq.start_p + seq.length, self._tiebreak, seq))
@@ -100,6 +124,8 @@ class EngineModel:
         self._rate = 1.0 / (self._a + self._b * n) if n else 0.0
 
     def _top(self) -> tuple[float, int, _Seq] | None:
+        if self._unfilled:
+            self._fill()
         heap = self._heap
         while heap and not heap[0][2].live:
             heapq.heappop(heap)  # cancelled
@@ -115,7 +141,7 @@ class EngineModel:
         self._queue.append(seq)
         self._queued[key] = seq
         if len(self._active) < self._cap:  # else it waits its turn in the queue
-            self._fill()
+            self._unfilled = True
 
     def cancel(self, key: Hashable) -> tuple[float, int | None] | None:
         """Drop a request; ``(tokens it had generated, its version)`` or None if unknown."""
@@ -125,7 +151,7 @@ class EngineModel:
         if seq is None:
             return None
         seq.live = False
-        self._fill()
+        self._unfilled = True
         return min(self.progress - seq.start_p, seq.length), seq.version
 
     def next_completion(self) -> float | None:
@@ -164,7 +190,7 @@ class EngineModel:
         del self._active[seq.key]
         seq.live = False
         assert seq.version is not None
-        self._fill()
+        self._unfilled = True
         return seq.key, self.now, seq.version
 
     def advance(self, to: float) -> list[tuple[Hashable, float, int]]:

@@ -209,10 +209,11 @@ class _Run:
         return batch
 
     def run_until(self, t: float, batch: int | None = None) -> None:
-        """Process completions up to time ``t``, or up to the first one in ``batch``."""
-        engine = self.engine
+        """Process completions up to time ``t``, or until one in ``batch`` makes the
+        oldest batch ready (``batch`` is the oldest: nothing else can make it ready)."""
+        engine, adm = self.engine, self.adm
         while (done := engine.next_until(t)) is not None:
-            if self._finished(*done) == batch:
+            if self._finished(*done) == batch and adm.ready():
                 return
 
     def register_until(self, n: int) -> None:
@@ -239,7 +240,6 @@ class _Run:
         while not try_consume():
             if engine.next_completion() is None:
                 raise RuntimeError(f"step {k}: the batch can never complete (nothing running)")
-            # Only a completion in batch k can make it consumable.
             self.run_until(math.inf, batch=k)
         ready = engine.now
         out = consumed[0]
