@@ -90,3 +90,14 @@ def test_policy_and_scenario_validate():
         Policy(ahead=2, max_lag=1)
     with pytest.raises(ValueError, match="warmup"):
         Scenario.relative("dapo", 4, 2, 1.0, steps=2, warmup=2)
+
+
+def test_engine_slot_freed_before_a_push_serves_the_old_version():
+    # Slots are filled lazily; a push must not reach a request whose slot freed before it.
+    e = EngineModel(EngineConfig(a=1.0, b=0.0, max_active=1))
+    e.add("x", 2)
+    e.add("y", 1)
+    assert e.next_until(10.0) == ("x", pytest.approx(2.0), 0)  # y's slot is free at t=2
+    e.served = 5
+    e.add("z", 1)
+    assert [(k, v) for k, _, v in e.advance(10.0)] == [("y", 0), ("z", 5)]
