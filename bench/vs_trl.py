@@ -312,7 +312,9 @@ def method(args: argparse.Namespace) -> str:
         "x 32 samples per step, 3 new tokens, temperature 1, group-std advantages, clip "
         "0.2/0.28, no KL, one AdamW update per batch, grad norm 1, CPU fp32), both from the "
         "same initial weights and scored by the demo's verifier. dew runs as the demo does "
-        "(scheduler ahead 1, in-process RolloutServer); TRL samples with `model.generate` "
+        "(scheduler ahead 1, in-process RolloutServer; the single-turn source submits "
+        "every prompt as a future, so no thread waits on a generation, and runs the "
+        "verifier on 2 threads); TRL samples with `model.generate` "
         'on the training model, then trains (`loss_type="dr_grpo"`: a constant '
         "normalizer, as dew's). Time to reward: wall seconds from the start of training "
         f"until the mean reward of the last {WINDOW} steps first reaches {THRESHOLD} (runs "

@@ -183,3 +183,76 @@ def test_a_failing_step_fails_its_requests_and_the_engine_goes_on(qwen: torch.nn
         server.load(qwen, 2)
         call = server.generate([5, 6], max_tokens=4, temperature=0)
         assert list(call.completion) == hf_greedy(qwen, [5, 6], 4) and call.version == 2
+
+
+@pytest.mark.timeout(120)
+def test_submit_returns_futures_that_resolve_on_the_engine_thread(server: RolloutServer) -> None:
+    batch = prompts(24, server.vocab_size, seed=9)
+    seen: queue.Queue[str] = queue.Queue()
+
+    def note(_: object) -> None:
+        seen.put(threading.current_thread().name)
+
+    # One thread submits everything; no thread waits on any single request.
+    futures = [server.submit(p, max_tokens=4, temperature=0) for p in batch]
+    for f in futures:
+        f.add_done_callback(note)
+    calls = [f.result(timeout=WAIT) for f in futures]
+    for p, call in zip(batch, calls, strict=True):
+        assert list(call.prompt) == p and len(call.completion) == 4
+    # Greedy: the same tokens the blocking call and the model itself give.
+    again = server.generate(batch[0], max_tokens=4, temperature=0)
+    assert list(calls[0].completion) == list(again.completion)
+    assert list(calls[5].completion) == hf_greedy(server._model, batch[5], 4)
+    names = {seen.get(timeout=WAIT) for _ in batch}
+    # Callbacks added before the answer run on the engine thread; ones added after it
+    # run at once on the adding thread.
+    assert names <= {"RolloutServer-engine", threading.current_thread().name}
+    assert not any(f.cancel() for f in futures)  # cancel() never takes one from the engine
+
+
+@pytest.mark.timeout(120)
+def test_submit_future_is_stopped_by_its_event_not_by_cancel(server: RolloutServer) -> None:
+    stop = threading.Event()
+    future = server.submit([5, 6], max_tokens=1000, stop=stop)
+    wait_until(lambda: server.stats()["active"] == 1, "the request to decode")
+    assert not future.cancel() and not future.done()  # running: only stop aborts it
+    stop.set()
+    error = future.exception(timeout=WAIT)
+    assert isinstance(error, Aborted) and error.tokens < 1000
+    assert server.stats()["active"] == 0
+    already = server.submit([5], max_tokens=3, stop=stop)  # stop set: fails at once
+    assert isinstance(already.exception(timeout=0), Aborted)
+    with pytest.raises(ValueError, match="max_tokens"):
+        server.submit([5], max_tokens=0)
+
+
+@pytest.mark.timeout(120)
+def test_blocking_calls_from_a_done_callback_are_refused(qwen: torch.nn.Module) -> None:
+    outcomes: queue.Queue[BaseException | Call] = queue.Queue()
+    with RolloutServer(qwen, max_batch=1) as server:
+
+        def chain(_: object) -> None:
+            for blocking in (
+                lambda: server.generate([7], max_tokens=2),
+                lambda: server.load(qwen, 9),
+            ):
+                try:
+                    blocking()
+                except RuntimeError as exc:
+                    outcomes.put(exc)
+            # submit only queues, so it is fine there.
+            server.submit([7], max_tokens=2).add_done_callback(lambda f: outcomes.put(f.result()))
+
+        hold = threading.Event()
+        holder = server.submit([5, 6], max_tokens=1000, stop=hold)  # takes the only slot
+        wait_until(lambda: server.stats()["active"] == 1, "the holder to decode")
+        target = server.submit([8], max_tokens=3)
+        target.add_done_callback(chain)  # attached while it waits: runs on the engine
+        hold.set()
+        assert isinstance(holder.exception(timeout=WAIT), Aborted)
+        got = [outcomes.get(timeout=WAIT) for _ in range(3)]
+        assert server.version == 0  # the refused load never reached the engine
+    errors = [g for g in got if isinstance(g, RuntimeError)]
+    assert len(errors) == 2 and all("engine thread" in str(e) for e in errors)
+    assert any(isinstance(g, Call) and len(g.completion) == 2 for g in got)

@@ -127,6 +127,13 @@ def _workers(config: DemoConfig) -> int:
     return config.batch_size * config.group_size * (config.ahead + 1)
 
 
+# PromptSource on a RolloutServer submits without a thread per rollout; its pool only
+# runs verifiers. Two threads keep up with the demo's verifier, and more cost time: on
+# bench/vs_trl.py's task a pool of 256 ran about 70 ms per step against 58 ms with 2,
+# as each burst of finished calls woke many threads.
+_VERIFIERS = 2
+
+
 def _single(config: DemoConfig, server: Any, tokenizer: Any) -> TaskParts:
     from dew.demo import tasks
     from dew.objectives.rl.sources import PromptSource
@@ -147,7 +154,7 @@ def _single(config: DemoConfig, server: Any, tokenizer: Any) -> TaskParts:
         max_tokens=config.max_tokens,
         temperature=config.temperature,
         stop_ids=[task.eos],
-        workers=_workers(config),
+        workers=_VERIFIERS,
     )
     return TaskParts(source, task.max_prompt + config.max_tokens, source.close)
 

@@ -3,7 +3,7 @@
 Everything here runs in the *caller's* thread before anything reaches the engine: a bad
 argument raises ``ValueError`` naming the parameter and the rule, and the engine never
 sees it. The records themselves are then owned by the engine thread until it resolves
-them (sets ``done``), after which the caller reads ``call`` or ``error``.
+them: a request through its ``future``, a load through ``done`` and ``error``.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ import numbers
 import operator
 import threading
 from collections.abc import Callable, Collection, Mapping, Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 import torch
@@ -28,7 +29,8 @@ _PREFILL_MASK = 1 << 26
 
 @dataclass(eq=False)
 class Request:
-    """One ``generate`` call: its settings, what has been sampled, how it ended."""
+    """One ``submit`` (or ``generate``) call: its settings, what has been sampled, and
+    the future that reports how it ended."""
 
     prompt: list[int]
     max_tokens: int
@@ -43,9 +45,7 @@ class Request:
     support: list[list[int]] = field(default_factory=list)
     version: int = -1
     finish_reason: str | None = None
-    done: threading.Event = field(default_factory=threading.Event)
-    call: Call | None = None
-    error: BaseException | None = None
+    future: Future[Call] = field(default_factory=Future)
 
     @property
     def stopped(self) -> bool:
@@ -98,7 +98,7 @@ def make_request(
     vocab: int,
     max_len: int,
 ) -> Request:
-    """Validate one ``generate`` call's arguments and build its record."""
+    """Validate one request's arguments and build its record."""
     items = prompt.tolist() if hasattr(prompt, "tolist") else prompt
     if isinstance(items, (str, bytes)) or not isinstance(items, Sequence):
         raise ValueError(f"prompt must be a sequence of token ids, got {type(prompt).__name__}")

@@ -1,7 +1,8 @@
 """RolloutServer: an in-process continuous-batching engine around a Hugging Face causal LM.
 
-Any number of threads call :meth:`RolloutServer.generate`; one engine thread, owned by
-the server, serves them all. Each engine iteration:
+Any number of threads call :meth:`RolloutServer.generate` (blocking) or
+:meth:`RolloutServer.submit` (a future); one engine thread, owned by the server, serves
+them all. Each engine iteration:
 
 1. applies queued weight loads (so a load lands between two decode steps, never inside
    one), drops requests whose ``stop`` event is set, and admits pending requests into
@@ -23,12 +24,15 @@ Invariants:
 * The engine thread is the only one that touches the model copy, the KV buffers and the
   active table. Other threads talk to it through the pending and load queues, guarded by
   one condition variable; ``close()`` joins the thread.
-* Every request accepted by ``generate`` resolves exactly once: with a :class:`Call`,
-  with :class:`Aborted` (its ``stop`` event was seen set at an iteration boundary), or
-  with ``RuntimeError`` (the server was closed, or a model step failed). Its caller is
-  blocked on that resolution only.
+* Every request accepted by ``submit`` (``generate`` is ``submit(...).result()``)
+  resolves its future exactly once: with a :class:`Call`, with :class:`Aborted` (its
+  ``stop`` event was seen set at an iteration boundary), or with ``RuntimeError`` (the
+  server was closed, or a model step failed). The future is marked running before it
+  is returned, so ``Future.cancel()`` cannot take it from under the engine; ``stop`` is
+  the way to abort.
 * A resolved request holds no slot and appears in no table (``stats()`` shows zeros once
-  everything has resolved).
+  everything has resolved): futures resolve only after the tables are updated, so a
+  done-callback, which runs on the engine thread, already sees them clean.
 * ``version`` changes only after the new weights are in place; every active request's
   recorded version is the minimum over the versions that served any of its tokens.
 * Invalid input is refused with ``ValueError`` in the caller's thread, before it reaches
@@ -42,6 +46,8 @@ import threading
 import time
 from collections import deque
 from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Set as AbstractSet
+from concurrent.futures import Future
 
 import torch
 
@@ -95,7 +101,9 @@ class RolloutServer:
     ``cache.update`` (Llama, Qwen2, Mistral without a sliding window, and the like).
     Anything else is refused at construction with ``ValueError``.
 
-    ``generate``, ``load``, ``close`` and the properties may be called from any thread.
+    ``submit``, ``generate``, ``load``, ``close`` and the properties may be called from
+    any thread, except that ``generate`` and ``load`` block and so must not be called
+    from a done-callback of a ``submit`` future (those run on the engine thread).
     KV buffers grow (by doubling) to the widest batch in use and are kept for reuse.
     """
 
@@ -186,6 +194,7 @@ class RolloutServer:
     def load(self, variables: torch.nn.Module | Mapping[str, torch.Tensor], version: int) -> None:
         """Copy ``variables`` (a module or a state dict with the model's names and shapes)
         into the engine's model between two iterations, then serve them as ``version``."""
+        self._check_not_engine("load")
         version = as_int(version, "version")
         if version < 0:
             raise ValueError(f"version must be >= 0, got {version}")
@@ -198,6 +207,51 @@ class RolloutServer:
         job.done.wait()
         if job.error is not None:
             raise job.error
+
+    def submit(
+        self,
+        prompt: Sequence[int],
+        *,
+        max_tokens: int,
+        temperature: float = 1.0,
+        top_k: int | None = None,
+        top_p: float | None = None,
+        stop_ids: Collection[int] = (),
+        stop: threading.Event | None = None,
+    ) -> Future[Call]:
+        """Queue a completion of ``prompt`` (token ids); returns at once with its future.
+
+        The request ends as in :meth:`generate`. The future resolves to the
+        :class:`Call`, or to :class:`Aborted` when ``stop`` is set before the request
+        finishes, or to ``RuntimeError`` when the server gets closed or a model step
+        fails first. Invalid arguments raise ``ValueError`` here, in the caller's
+        thread, and so does ``RuntimeError`` for a server already closed.
+
+        Done-callbacks run on the engine thread, between two iterations: keep them
+        short, and hand slow work (a verifier, an environment step) to a thread of your
+        own. This is how a source serves many rollouts without a thread blocked in each.
+        """
+        request = make_request(
+            prompt,
+            max_tokens=max_tokens,
+            temperature=temperature,
+            top_k=top_k,
+            top_p=top_p,
+            stop_ids=stop_ids,
+            stop=stop,
+            vocab=self._vocab,
+            max_len=self._max_len,
+        )
+        future = request.future
+        future.set_running_or_notify_cancel()  # only the engine resolves it from now on
+        if request.stopped:
+            future.set_exception(Aborted("generation stopped before it started"))
+            return future
+        with self._cond:
+            self._check_open()
+            self._pending.append(request)
+            self._cond.notify_all()
+        return future
 
     def generate(
         self,
@@ -218,7 +272,8 @@ class RolloutServer:
         the request finishes, ``ValueError`` for invalid arguments and ``RuntimeError``
         when the server is (or gets) closed.
         """
-        request = make_request(
+        self._check_not_engine("generate")
+        return self.submit(
             prompt,
             max_tokens=max_tokens,
             temperature=temperature,
@@ -226,20 +281,7 @@ class RolloutServer:
             top_p=top_p,
             stop_ids=stop_ids,
             stop=stop,
-            vocab=self._vocab,
-            max_len=self._max_len,
-        )
-        if request.stopped:
-            raise Aborted("generation stopped before it started")
-        with self._cond:
-            self._check_open()
-            self._pending.append(request)
-            self._cond.notify_all()
-        request.done.wait()
-        if request.error is not None:
-            raise request.error
-        assert request.call is not None
-        return request.call
+        ).result()
 
     def close(self) -> None:
         """Stop the engine thread, failing every request and load that has not finished."""
@@ -256,6 +298,14 @@ class RolloutServer:
         self.close()
 
     # ------------------------------------------------------------------ validation
+
+    def _check_not_engine(self, name: str) -> None:
+        # A blocking call from a done-callback would wait on the thread it blocks.
+        if threading.current_thread() is self._thread:
+            raise RuntimeError(
+                f"RolloutServer.{name}() was called on the engine thread (from a submit "
+                "future's done-callback); it would wait forever. Use submit() there."
+            )
 
     def _check_open(self) -> None:  # caller holds _cond
         if self._broken is not None:
@@ -291,8 +341,13 @@ class RolloutServer:
 
     @staticmethod
     def _resolve(job: Request | Load, error: BaseException | None = None) -> None:
-        job.error = error
-        job.done.set()
+        """Settle a load, or fail a request (a request's success is set in ``_take``)."""
+        if isinstance(job, Load):
+            job.error = error
+            job.done.set()
+        else:
+            assert error is not None
+            job.future.set_exception(error)
 
     def _iterate(self) -> bool:
         with self._cond:
@@ -335,7 +390,7 @@ class RolloutServer:
             self._rows = None
             self._cache.clear()
             for r in hit:
-                if not r.done.is_set():
+                if not r.future.done():
                     self._resolve(r, failed)
         return True
 
@@ -367,7 +422,7 @@ class RolloutServer:
         self._resolve(job)
         return True
 
-    def _remove(self, leaving: set[Request]) -> None:
+    def _remove(self, leaving: AbstractSet[Request]) -> None:
         """Take ``leaving`` out of the active table, filling holes from the end."""
         if not leaving:
             return
@@ -399,7 +454,7 @@ class RolloutServer:
         """Sample one token for each of ``requests`` from ``logits`` [n, V]; finish the
         requests that are done."""
         draw = sample(logits, rows, self._generator)
-        finished: set[Request] = set()
+        finished: dict[Request, Call] = {}
         for r, tok, lp, sup in zip(
             requests, draw.tokens, draw.log_probs, draw.support, strict=True
         ):
@@ -414,8 +469,7 @@ class RolloutServer:
                 r.finish_reason = "length"
             else:
                 continue
-            finished.add(r)
-            r.call = Call(
+            finished[r] = Call(
                 prompt=r.prompt,
                 completion=r.completion,
                 log_probs=r.log_probs,
@@ -424,9 +478,9 @@ class RolloutServer:
                 support=r.support if r.keeps_support else None,
                 finish_reason=r.finish_reason,
             )
-        self._remove(finished)
-        for r in finished:
-            self._resolve(r)
+        self._remove(finished.keys())
+        for r, call in finished.items():
+            r.future.set_result(call)
 
     def _forward_prefill(self, seqs: list[list[int]], slots: list[int]) -> torch.Tensor:
         """Run ``seqs`` (token ids, longest first) left-padded through the model, writing

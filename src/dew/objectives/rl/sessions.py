@@ -13,7 +13,9 @@ Invariants of :class:`ThreadedSource` (the one concurrency helper in this module
 * each done-callback runs exactly once, after the session resolved, on whichever
   thread resolved it (or on the caller's thread when added after that);
 * the worker pool is bounded by ``workers`` and owned by the source: ``close()``
-  sets every running session's stop event, drops queued ones and joins the workers.
+  sets every running session's stop event, drops queued ones, waits until every
+  session it started has resolved (a subclass may resolve some off the pool, e.g.
+  from an engine's future) and joins the workers.
 """
 
 from __future__ import annotations
@@ -280,6 +282,7 @@ class _ThreadedSession:
         self._lock = threading.Lock()
         self._callbacks: list[Callable[[Session], None]] = []
         self._resolved = False
+        self.settled = threading.Event()  # set once the callbacks have run
 
     def cancel(self) -> None:
         self.stop.set()
@@ -309,8 +312,11 @@ class _ThreadedSession:
                 return
             self._resolved = True
             callbacks, self._callbacks = self._callbacks, []
-        for fn in callbacks:
-            fn(self)
+        try:
+            for fn in callbacks:
+                fn(self)
+        finally:
+            self.settled.set()
 
 
 class ThreadedSource:
@@ -335,12 +341,7 @@ class ThreadedSource:
         raise NotImplementedError
 
     def start(self, task: Task, key: RolloutKey) -> Session:
-        session = _ThreadedSession(task, key)
-        with self._lock:
-            if self._closed:
-                raise RuntimeError(f"{type(self).__name__} is closed")
-            self._live.add(session)
-        session.add_done_callback(self._forget)
+        session = self._open(task, key)
         try:
             self._pool.submit(self._work, session)
         except RuntimeError:
@@ -349,16 +350,31 @@ class ThreadedSource:
             raise
         return session
 
+    def _open(self, task: Task, key: RolloutKey) -> _ThreadedSession:
+        """A new live session (forgotten once resolved); RuntimeError when closed."""
+        session = _ThreadedSession(task, key)
+        with self._lock:
+            if self._closed:
+                raise RuntimeError(f"{type(self).__name__} is closed")
+            self._live.add(session)
+        session.add_done_callback(self._forget)
+        return session
+
     def _work(self, session: _ThreadedSession) -> None:
         if not session.future.set_running_or_notify_cancel():
             return  # cancel() already resolved it
+        self._settle(session, lambda: self.run(session.task, session.key, session.stop))
+
+    def _settle(self, session: _ThreadedSession, produce: Callable[[], Rollout]) -> None:
+        """Resolve a running session with what ``produce`` returns or raises; a stop
+        seen before or after it turns the outcome into ``CANCELLED``."""
         try:
             if session.stop.is_set():
                 out = Rollout(
                     key=session.key, task=session.task, status=Status.CANCELLED, error="cancelled"
                 )
             else:
-                out = self.run(session.task, session.key, session.stop)
+                out = produce()
                 if session.stop.is_set() and out.status is not Status.CANCELLED:
                     out = Rollout(
                         key=session.key,
@@ -387,6 +403,8 @@ class ThreadedSource:
             live = list(self._live)
         for s in live:
             s.cancel()
+        for s in live:  # running ones see their stop event; queued ones resolved in cancel()
+            s.settled.wait()
         self._pool.shutdown(wait=True, cancel_futures=True)
         for s in live:  # futures dropped by shutdown never ran _work
             if s.future.cancelled():

@@ -26,6 +26,29 @@ def server() -> Iterator[RolloutServer]:
     srv.close()
 
 
+class GenerateOnly:
+    """The server behind an engine that has ``generate`` but no ``submit``, so the
+    source takes its thread-per-rollout path."""
+
+    def __init__(self, server: RolloutServer) -> None:
+        self._server = server
+        self.generate = server.generate
+
+    @property
+    def version(self) -> int:
+        return self._server.version
+
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        return self._server.eos_token_ids
+
+
+@pytest.fixture(params=["submit", "generate"])
+def engine(request: pytest.FixtureRequest, server: RolloutServer) -> Any:
+    """Each source test runs on both of PromptSource's paths."""
+    return server if request.param == "submit" else GenerateOnly(server)
+
+
 def key(i: int = 0) -> RolloutKey:
     return RolloutKey(group=0, sample=i, attempt=0)
 
@@ -50,11 +73,13 @@ def run_one(source: PromptSource, task_id: str = "0") -> Any:
     return source.start(Task(task_id), key()).result(timeout=WAIT)
 
 
-def test_stop_token_completes_and_the_verifier_sees_ids_without_it(server: RolloutServer) -> None:
+def test_stop_token_completes_and_the_verifier_sees_ids_without_it(
+    engine: Any, server: RolloutServer
+) -> None:
     verifier = Recorder(0.75)
     everything = range(server.vocab_size)  # any first token stops
     with PromptSource(
-        server, [[7, 8, 9], (10, 11)], verifier, max_tokens=5, stop_ids=everything
+        engine, [[7, 8, 9], (10, 11)], verifier, max_tokens=5, stop_ids=everything
     ) as source:
         rollout = run_one(source, "1")
     assert rollout.status is Status.COMPLETED and rollout.truncation is None
@@ -66,9 +91,9 @@ def test_stop_token_completes_and_the_verifier_sees_ids_without_it(server: Rollo
     assert task.id == "1" and completion == [] and seen_call is call
 
 
-def test_max_tokens_truncates_and_is_still_scored(server: RolloutServer) -> None:
+def test_max_tokens_truncates_and_is_still_scored(engine: Any) -> None:
     verifier = Recorder({"format": 0.25, "answer": 0.5})
-    with PromptSource(server, [[5, 6]], verifier, max_tokens=4, stop_ids=()) as source:
+    with PromptSource(engine, [[5, 6]], verifier, max_tokens=4, stop_ids=()) as source:
         rollout = run_one(source)
     assert rollout.status is Status.TRUNCATED and rollout.truncation == "length"
     assert rollout.reward == 0.75
@@ -81,8 +106,8 @@ def test_max_tokens_truncates_and_is_still_scored(server: RolloutServer) -> None
     "bad",
     [RuntimeError("grader crashed"), float("nan"), "1.0", {"a": float("inf")}, {"a": "x"}, {}],
 )
-def test_verifier_failure_is_infra_error_without_reward(server: RolloutServer, bad: Any) -> None:
-    with PromptSource(server, [[5, 6]], Recorder(bad), max_tokens=2) as source:
+def test_verifier_failure_is_infra_error_without_reward(engine: Any, bad: Any) -> None:
+    with PromptSource(engine, [[5, 6]], Recorder(bad), max_tokens=2) as source:
         rollout = run_one(source)
     assert rollout.status is Status.INFRA_ERROR
     assert rollout.reward is None and dict(rollout.components) == {}
@@ -93,8 +118,8 @@ def test_verifier_failure_is_infra_error_without_reward(server: RolloutServer, b
 
 
 @pytest.mark.timeout(120)
-def test_cancel_aborts_the_generation(server: RolloutServer) -> None:
-    with PromptSource(server, [[5, 6]], Recorder(1.0), max_tokens=1000, stop_ids=()) as source:
+def test_cancel_aborts_the_generation(engine: Any, server: RolloutServer) -> None:
+    with PromptSource(engine, [[5, 6]], Recorder(1.0), max_tokens=1000, stop_ids=()) as source:
         session = source.start(Task("0"), key())
         deadline = time.monotonic() + WAIT
         while server.stats()["active"] == 0:  # wait for the request to reach the engine
@@ -106,16 +131,16 @@ def test_cancel_aborts_the_generation(server: RolloutServer) -> None:
     assert server.stats()["active"] == 0
 
 
-def test_text_prompts_and_chat_template(server: RolloutServer) -> None:
+def test_text_prompts_and_chat_template(engine: Any) -> None:
     verifier = Recorder(1.0)
     prompts = [
         "12+3=",
         [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}],
     ]
-    with PromptSource(server, prompts[:1], verifier, tokenizer=TOK, max_tokens=3) as source:
+    with PromptSource(engine, prompts[:1], verifier, tokenizer=TOK, max_tokens=3) as source:
         assert source.stop_ids == [TOK.eos_token_id]
     with PromptSource(
-        server, prompts[:1], verifier, tokenizer=TOK, max_tokens=3, stop_ids=()
+        engine, prompts[:1], verifier, tokenizer=TOK, max_tokens=3, stop_ids=()
     ) as source:
         rollout = run_one(source)
     assert list(rollout.calls[0].prompt) == TOK("12+3=")["input_ids"]
@@ -125,7 +150,7 @@ def test_text_prompts_and_chat_template(server: RolloutServer) -> None:
     assert text == TOK.decode(list(rollout.calls[0].completion), skip_special_tokens=False)
 
     with PromptSource(
-        server, prompts, verifier, tokenizer=TOK, chat_template=True, max_tokens=3
+        engine, prompts, verifier, tokenizer=TOK, chat_template=True, max_tokens=3
     ) as source:
         first = run_one(source, "0")
         second = run_one(source, "1")
@@ -152,54 +177,129 @@ class Column(Sequence[Any]):
         return self._items[i]
 
 
-def test_any_sequence_of_prompts_and_array_prompts(server: RolloutServer) -> None:
+def test_any_sequence_of_prompts_and_array_prompts(engine: Any) -> None:
     import numpy as np
 
     prompts = Column([np.array([5, 6, 7]), torch.tensor([8, 9])])
-    with PromptSource(server, prompts, Recorder(0.0), max_tokens=2) as source:
+    with PromptSource(engine, prompts, Recorder(0.0), max_tokens=2) as source:
         assert list(run_one(source, "0").calls[0].prompt) == [5, 6, 7]
         assert list(run_one(source, "1").calls[0].prompt) == [8, 9]
 
 
-def test_dataset_column_prompts(server: RolloutServer) -> None:
+def test_dataset_column_prompts(engine: Any) -> None:
     import datasets
 
     table = datasets.Dataset.from_dict({"prompt": ["12=", "345="]})
     with PromptSource(
-        server, table["prompt"], Recorder(0.0), tokenizer=TOK, max_tokens=2
+        engine, table["prompt"], Recorder(0.0), tokenizer=TOK, max_tokens=2
     ) as source:
         assert list(run_one(source, "1").calls[0].prompt) == TOK("345=")["input_ids"]
 
 
-def test_bad_task_ids_and_configuration(server: RolloutServer) -> None:
-    with PromptSource(server, [[5]], Recorder(0.0), max_tokens=2) as source:
+def test_bad_task_ids_and_configuration(engine: Any) -> None:
+    with PromptSource(engine, [[5]], Recorder(0.0), max_tokens=2) as source:
         for bad in ("1", "-1", "x", "0.5"):
             with pytest.raises(ValueError, match=r"rollout\(group=0, sample=3, attempt=0\)"):
                 source.start(Task(bad), key(3))
     with pytest.raises(ValueError, match="max_tokens"):
-        PromptSource(server, [[5]], Recorder(0.0), max_tokens=0)
+        PromptSource(engine, [[5]], Recorder(0.0), max_tokens=0)
     with pytest.raises(ValueError, match="tokenizer"):
-        PromptSource(server, ["x"], Recorder(0.0), chat_template=True, max_tokens=1)
+        PromptSource(engine, ["x"], Recorder(0.0), chat_template=True, max_tokens=1)
     with pytest.raises(ValueError, match="top_p"):
-        PromptSource(server, [[5]], Recorder(0.0), max_tokens=1, top_p=0.0)
-    with PromptSource(server, ["text"], Recorder(0.0), max_tokens=1) as source:
+        PromptSource(engine, [[5]], Recorder(0.0), max_tokens=1, top_p=0.0)
+    with PromptSource(engine, ["text"], Recorder(0.0), max_tokens=1) as source:
         with pytest.raises(ValueError, match="need a tokenizer"):
             source.start(Task("0"), key()).result(timeout=WAIT)
 
 
-def test_defaults_to_the_served_models_eos(server: RolloutServer) -> None:
-    with PromptSource(server, [[5]], Recorder(0.0), max_tokens=1) as source:
+def test_defaults_to_the_served_models_eos(engine: Any, server: RolloutServer) -> None:
+    with PromptSource(engine, [[5]], Recorder(0.0), max_tokens=1) as source:
         assert source.stop_ids == list(server.eos_token_ids)
 
 
 @pytest.mark.timeout(120)
-def test_many_sessions_at_once(server: RolloutServer) -> None:
+def test_many_sessions_at_once(engine: Any) -> None:
     prompts = [[6 + i % 40, 7, 8] for i in range(40)]
     verifier = Recorder(0.5)
-    with PromptSource(server, prompts, verifier, max_tokens=6, top_k=10, workers=16) as source:
+    with PromptSource(engine, prompts, verifier, max_tokens=6, top_k=10, workers=16) as source:
         sessions = [source.start(Task(str(i)), key(i)) for i in range(40)]
         rollouts = [s.result(timeout=WAIT) for s in sessions]
     assert {r.status for r in rollouts} <= {Status.COMPLETED, Status.TRUNCATED}
     assert [list(r.calls[0].prompt) for r in rollouts] == prompts
     assert all(r.calls[0].support is not None for r in rollouts)
     assert len(verifier.seen) == 40
+
+
+class Counting:
+    """The server, counting the generations it has finished (submit path only)."""
+
+    def __init__(self, server: RolloutServer) -> None:
+        self._server = server
+        self.version = server.version
+        self.finished = 0
+        self._lock = threading.Lock()
+
+    def generate(self, *args: Any, **kwargs: Any) -> Call:
+        raise AssertionError("the submit path must not block in generate")
+
+    def submit(self, *args: Any, **kwargs: Any) -> Any:
+        future = self._server.submit(*args, **kwargs)
+        future.add_done_callback(self._count)
+        return future
+
+    def _count(self, _: object) -> None:
+        with self._lock:
+            self.finished += 1
+
+
+@pytest.mark.timeout(120)
+def test_submit_path_generates_everything_while_the_only_worker_verifies(
+    server: RolloutServer,
+) -> None:
+    gate = threading.Event()
+    threads: list[str] = []
+
+    def slow(task: Task, completion: Any, call: Call) -> float:
+        threads.append(threading.current_thread().name)
+        assert gate.wait(WAIT)
+        return 1.0
+
+    engine = Counting(server)
+    with PromptSource(engine, [[5, 6, 7]], slow, max_tokens=3, stop_ids=(), workers=1) as source:
+        sessions = [source.start(Task("0"), key(i)) for i in range(8)]
+        deadline = time.monotonic() + WAIT
+        # One pool thread, stuck in the first verifier: the generations go on without it.
+        while engine.finished < 8 or not threads:
+            assert time.monotonic() < deadline, "generations waited for a worker"
+            time.sleep(0.001)
+        assert not any(s.done() for s in sessions) and len(threads) == 1
+        gate.set()
+        rollouts = [s.result(timeout=WAIT) for s in sessions]
+    assert all(r.status is Status.TRUNCATED and r.reward == 1.0 for r in rollouts)
+    assert len(threads) == 8 and "RolloutServer-engine" not in threads  # never on the engine
+
+
+@pytest.mark.timeout(120)
+def test_close_waits_for_sessions_still_in_the_engine(engine: Any, server: RolloutServer) -> None:
+    source = PromptSource(engine, [[5, 6]], Recorder(1.0), max_tokens=1000, stop_ids=())
+    session = source.start(Task("0"), key())
+    deadline = time.monotonic() + WAIT
+    while server.stats()["active"] == 0:
+        assert time.monotonic() < deadline
+        time.sleep(0.001)
+    source.close()
+    assert session.done()  # resolved before close() returned, on either path
+    assert session.result(timeout=0).status is Status.CANCELLED
+    assert server.stats()["active"] == 0
+    with pytest.raises(RuntimeError, match="closed"):
+        source.start(Task("0"), key(1))
+
+
+@pytest.mark.parametrize("wrap", [lambda s: s, GenerateOnly], ids=["submit", "generate"])
+def test_a_closed_engine_raises_out_of_the_session(wrap: Any) -> None:
+    closed = RolloutServer(make_model("qwen2", "tiny", seed=2), seed=0)
+    closed.close()
+    with PromptSource(wrap(closed), [[5]], Recorder(1.0), max_tokens=2) as source:
+        session = source.start(Task("0"), key())
+        with pytest.raises(RuntimeError, match="closed"):
+            session.result(timeout=WAIT)

@@ -27,7 +27,13 @@ __all__ = ["ChatTokens", "Engine", "error_text", "parse_reward", "token_ids"]
 
 
 class Engine(Protocol):
-    """What a source needs of an engine; ``dew.serving.RolloutServer`` is one."""
+    """What a source needs of an engine; ``dew.serving.RolloutServer`` is one.
+
+    An engine may also offer ``submit`` with ``generate``'s arguments, returning a
+    ``concurrent.futures.Future`` of the :class:`Call` (as ``RolloutServer.submit``
+    does); :class:`~dew.objectives.rl.sources.PromptSource` then needs no thread per
+    rollout.
+    """
 
     @property
     def version(self) -> int: ...

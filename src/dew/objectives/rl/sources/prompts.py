@@ -22,17 +22,26 @@ raises or returns something that is not a finite number gives ``INFRA_ERROR`` wi
 error text and no reward. A cancelled session gives ``CANCELLED``. An engine that is
 closed or broken raises out of the session: that is not a property of the rollout.
 
-Concurrency: rollouts run on the :class:`~dew.objectives.rl.sessions.ThreadedSource`
-pool; each worker blocks in ``server.generate``, whose continuous batching is where
-the concurrency pays off. The source holds no mutable state of its own besides the
-prompt cache, which is filled under a lock.
+Concurrency: with an engine that offers ``submit`` (a future of the call, as
+:class:`~dew.serving.RolloutServer` does), ``start`` encodes the prompt and submits it
+on the caller's thread, and no thread waits on the generation. When the future
+resolves (on the engine's thread), the verifier is handed to the
+:class:`~dew.objectives.rl.sessions.ThreadedSource` pool, so a slow verifier never
+holds the engine; an abort or engine failure resolves the session right there. With
+an engine that only has ``generate``, each rollout runs on the pool and blocks in it.
+Either way the continuous batching is where the concurrency pays off, and the
+invariants of ``ThreadedSource`` hold (``close()`` waits for sessions resolved off the
+pool too). The source holds no mutable state of its own besides the prompt cache,
+which is filled under a lock.
 """
 
 from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Collection, Mapping, Sequence
-from typing import Any
+from concurrent.futures import Future
+from functools import partial
+from typing import TYPE_CHECKING, Any
 
 from dew.objectives.rl.sessions import Call, Rollout, RolloutKey, Status, Task, ThreadedSource
 from dew.objectives.rl.sources._common import (
@@ -43,6 +52,9 @@ from dew.objectives.rl.sources._common import (
     token_ids,
 )
 from dew.serving import Aborted
+
+if TYPE_CHECKING:
+    from dew.objectives.rl.sessions import _ThreadedSession
 
 __all__ = ["PromptSource", "Verifier"]
 
@@ -125,8 +137,42 @@ class PromptSource(ThreadedSource):
         self._encoded_lock = threading.Lock()
 
     def start(self, task: Task, key: RolloutKey) -> Any:
-        task_index(task, key, len(self.prompts))  # a bad id is the caller's bug: say so now
-        return super().start(task, key)
+        index = task_index(task, key, len(self.prompts))  # a bad id is the caller's bug
+        submit = getattr(self.server, "submit", None)
+        if not callable(submit):
+            return super().start(task, key)
+        session = self._open(task, key)
+        session.future.set_running_or_notify_cancel()  # resolved by the engine's answer
+        try:
+            pending = submit(
+                self.prompt_ids(index),
+                max_tokens=self.max_tokens,
+                temperature=self.temperature,
+                top_k=self.top_k,
+                top_p=self.top_p,
+                stop_ids=self.stop_ids,
+                stop=session.stop,
+            )
+        except BaseException as exc:  # resolves the session as run() raising would
+            self._settle(session, partial(_reraise, exc))
+            return session
+        pending.add_done_callback(partial(self._generated, session))
+        return session
+
+    def _generated(self, session: _ThreadedSession, pending: Future[Call]) -> None:
+        """The engine answered (on its thread): score on the pool, or resolve now."""
+        error = pending.exception()
+        if isinstance(error, Aborted):
+            self._settle(session, partial(self._cancelled, session.task, session.key))
+        elif error is not None:  # a closed or broken engine is not the rollout's doing
+            self._settle(session, partial(_reraise, error))
+        else:
+            call = pending.result()
+            score = partial(self._score, session.task, session.key, call)
+            try:
+                self._pool.submit(self._settle, session, score)
+            except RuntimeError:  # close() shut the pool after stopping this session
+                self._settle(session, partial(self._cancelled, session.task, session.key))
 
     def prompt_ids(self, index: int) -> list[int]:
         """Token ids of prompt ``index`` (encoded once, then cached)."""
@@ -165,6 +211,7 @@ class PromptSource(ThreadedSource):
         return self.tokenizer.decode(ids, skip_special_tokens=False)
 
     def run(self, task: Task, key: RolloutKey, stop: threading.Event) -> Rollout:
+        """One rollout on a pool thread (engines without ``submit``)."""
         prompt = self.prompt_ids(task_index(task, key, len(self.prompts)))
         try:
             call = self.server.generate(
@@ -177,7 +224,15 @@ class PromptSource(ThreadedSource):
                 stop=stop,
             )
         except Aborted:
-            return Rollout(key=key, task=task, status=Status.CANCELLED, error="cancelled")
+            return self._cancelled(task, key)
+        return self._score(task, key, call)
+
+    @staticmethod
+    def _cancelled(task: Task, key: RolloutKey) -> Rollout:
+        return Rollout(key=key, task=task, status=Status.CANCELLED, error="cancelled")
+
+    def _score(self, task: Task, key: RolloutKey, call: Call) -> Rollout:
+        """The verifier's verdict on one finished call, as a rollout."""
         try:
             reward, parts = parse_reward(self.verifier(task, self.completion_view(call), call))
         except Exception as exc:  # the verifier's failure is recorded, never a reward
@@ -199,3 +254,7 @@ class PromptSource(ThreadedSource):
             components=parts,
             truncation="length" if truncated else None,
         )
+
+
+def _reraise(error: BaseException) -> Rollout:
+    raise error
