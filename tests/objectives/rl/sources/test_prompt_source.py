@@ -303,3 +303,36 @@ def test_a_closed_engine_raises_out_of_the_session(wrap: Any) -> None:
         session = source.start(Task("0"), key())
         with pytest.raises(RuntimeError, match="closed"):
             session.result(timeout=WAIT)
+
+
+@pytest.mark.timeout(120)
+def test_cancels_and_close_racing_the_engine_resolve_each_session_once(
+    engine: Any, server: RolloutServer
+) -> None:
+    calls: dict[int, int] = {}
+    lock = threading.Lock()
+
+    def count(session: Any) -> None:
+        with lock:
+            calls[id(session)] = calls.get(id(session), 0) + 1
+
+    prompts = [[5 + i % 30, 6] for i in range(48)]
+    source = PromptSource(engine, prompts, Recorder(0.5), max_tokens=40, stop_ids=(), workers=4)
+    sessions = []
+    for i in range(48):
+        s = source.start(Task(str(i)), key(i))
+        s.add_done_callback(count)
+        sessions.append(s)
+        if i % 3 == 0:
+            s.cancel()  # at once: before or while it reaches the engine
+    for s in sessions[1::3]:
+        s.cancel()  # while decoding, or after it finished
+        s.cancel()  # cancel is idempotent
+    source.close()  # the last third is stopped by close
+    assert all(s.done() for s in sessions)
+    assert sorted(calls.values()) == [1] * 48  # every callback exactly once
+    statuses = [s.result(timeout=0).status for s in sessions]
+    assert set(statuses) <= {Status.TRUNCATED, Status.CANCELLED}
+    assert all(statuses[i] is Status.CANCELLED for i in range(0, 48, 3))
+    stats = server.stats()
+    assert (stats["pending"], stats["active"]) == (0, 0)
