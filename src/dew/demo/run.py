@@ -27,11 +27,28 @@ from collections.abc import Callable, Mapping
 from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from dew.train import FitResult, latest_checkpoint, read_records
 
-__all__ = ["TASKS", "TASK_DEFAULTS", "DemoConfig", "DemoError", "DemoResult", "run_demo"]
+if TYPE_CHECKING:
+    import torch
+
+    from dew.data import Dataset
+    from dew.objectives.rl.grpo import GRPOObjective
+    from dew.objectives.rl.scheduler import RolloutScheduler
+    from dew.serving import RolloutServer
+
+__all__ = [
+    "TASKS",
+    "TASK_DEFAULTS",
+    "DemoConfig",
+    "DemoError",
+    "DemoJob",
+    "DemoResult",
+    "build_job",
+    "run_demo",
+]
 
 
 class DemoError(ValueError):
@@ -288,6 +305,73 @@ def _load_config(run_dir: Path) -> DemoConfig:
     return DemoConfig(**stored)
 
 
+@dataclass(frozen=True)
+class DemoJob:
+    """What the demo trains: the parts ``fit`` takes, and the engine behind them."""
+
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    objective: GRPOObjective
+    dataset: Dataset
+    server: RolloutServer
+    scheduler: RolloutScheduler
+
+
+def build_job(
+    config: DemoConfig,
+    stack: ExitStack,
+    *,
+    pool: Any = None,
+    task: Callable[[DemoConfig, Any, Any], TaskParts] | None = None,
+) -> DemoJob:
+    """Build the model, optimizer, objective, task stream, engine, source and scheduler
+    of ``config``; ``stack`` closes the server, the source and the scheduler in reverse
+    order. ``pool`` (a torchrun job's) gives this process its share of every batch.
+    ``task`` replaces the registry's builder for ``config.task`` (bench/vs_trl.py builds
+    its two-turn task this way). Torch's thread count is the caller's to set.
+    """
+    import numpy as np
+    import torch
+
+    from dew.data import Dataset
+    from dew.demo.model import make_model, make_tokenizer
+    from dew.objectives.rl.grpo import GRPOObjective
+    from dew.objectives.rl.scheduler import RolloutScheduler
+    from dew.serving import RolloutServer
+
+    torch.manual_seed(config.seed)
+    tokenizer = make_tokenizer()
+    model = make_model(config.arch, config.size, seed=config.seed, max_positions=256)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr, weight_decay=0.0)
+    objective = GRPOObjective(temperature=config.temperature, clip_high=config.clip_high)
+    rows = config.batch_size * config.group_size
+    world = 1 if pool is None else pool.world
+    dataset = Dataset(
+        {"task_id": np.arange(config.tasks)}, batch_size=config.batch_size * world, seed=1
+    )
+    if pool is not None:
+        dataset = pool.dataset(dataset)
+    rank = 0 if pool is None else pool.rank
+    server = RolloutServer(model, max_batch=rows * (config.ahead + 1), seed=config.seed + rank)
+    stack.callback(server.close)
+    parts = (task or TASKS[config.task])(config, server, tokenizer)
+    stack.callback(parts.close)
+    scheduler = RolloutScheduler(
+        objective,
+        parts.source,
+        server,
+        width=parts.max_chain,
+        rows=rows,
+        groups=config.group_size,
+        ahead=config.ahead,
+        max_lag=config.max_lag,
+        truncation=config.truncation,
+        estimator=config.estimator,
+    )
+    stack.callback(scheduler.close)
+    return DemoJob(model, optimizer, objective, dataset, server, scheduler)
+
+
 def run_demo(
     config: DemoConfig | None = None,
     *,
@@ -301,14 +385,8 @@ def run_demo(
     On resume the run's stored config is used; ``config.steps`` (when given) may raise
     the step target.
     """
-    import numpy as np
     import torch
 
-    from dew.data import Dataset
-    from dew.demo.model import make_model, make_tokenizer
-    from dew.objectives.rl.grpo import GRPOObjective
-    from dew.objectives.rl.scheduler import RolloutScheduler
-    from dew.serving import RolloutServer
     from dew.train import fit
 
     t0 = time.monotonic()
@@ -334,37 +412,9 @@ def run_demo(
         own.mkdir(parents=True, exist_ok=True)
         (own / "config.json").write_text(json.dumps(dataclasses.asdict(config), indent=2))
 
-        torch.manual_seed(config.seed)
         _share_cores(torch)
-        tokenizer = make_tokenizer()
-        model = make_model(config.arch, config.size, seed=config.seed, max_positions=256)
-        optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr, weight_decay=0.0)
-        objective = GRPOObjective(temperature=config.temperature, clip_high=config.clip_high)
-        rows = config.batch_size * config.group_size
-        world = 1 if pool is None else pool.world
-        dataset = Dataset(
-            {"task_id": np.arange(config.tasks)}, batch_size=config.batch_size * world, seed=1
-        )
-        if pool is not None:
-            dataset = pool.dataset(dataset)
-        rank = 0 if pool is None else pool.rank
-        server = RolloutServer(model, max_batch=rows * (config.ahead + 1), seed=config.seed + rank)
-        stack.callback(server.close)
-        parts = TASKS[config.task](config, server, tokenizer)
-        stack.callback(parts.close)
-        scheduler = RolloutScheduler(
-            objective,
-            parts.source,
-            server,
-            width=parts.max_chain,
-            rows=rows,
-            groups=config.group_size,
-            ahead=config.ahead,
-            max_lag=config.max_lag,
-            truncation=config.truncation,
-            estimator=config.estimator,
-        )
-        stack.callback(scheduler.close)
+        job = build_job(config, stack, pool=pool)
+        model, scheduler = job.model, job.scheduler
         if pool is not None:
             from dew.pool import agreed_checkpoint, attach, average_gradients
 
@@ -383,10 +433,10 @@ def run_demo(
             log.append(update)
         result = fit(
             model,
-            optimizer,
-            dataset,
+            job.optimizer,
+            job.dataset,
             scheduler,
-            objective,
+            job.objective,
             steps=config.steps,
             run_dir=own,
             checkpoint_every=config.checkpoint_every,
