@@ -15,6 +15,9 @@
    every ``log`` callback;
 5. a checkpoint every ``checkpoint_every`` updates and at the end.
 
+After the first ten steps the heap alive then is frozen for the cyclic collector, and
+unfrozen when ``fit`` returns or raises (why: :mod:`dew._collector`).
+
 A *Rollout* is anything callable as ``rollout(model, batch, *, updates) -> packed``:
 a :class:`~dew.objectives.rl.scheduler.RolloutScheduler`, or a plain function.
 Optional attributes make it richer: ``tasks(dataset)``, ``ahead``, ``history``
@@ -43,12 +46,16 @@ from typing import Any, Protocol
 
 from dew import _checkpoint
 from dew._checkpoint import CheckpointError
+from dew._collector import FreezeAfter
 from dew._sinks import JsonlSink, Sink, tensorboard_sink
 from dew.data import Batch, Dataset, Prefetch
 
 __all__ = ["CheckpointError", "FitResult", "Rollout", "fit", "latest_checkpoint", "read_records"]
 
 logger = logging.getLogger("dew.train")
+
+# Training steps after which fit freezes the heap (dew._collector.FreezeAfter).
+_FREEZE_AFTER = 10
 
 Record = dict[str, Any]
 
@@ -216,6 +223,9 @@ def fit(
             keep=keep,
         )
 
+    # Once the first steps have grown the long-lived heap, it leaves the collector's
+    # generations: a full pass over it stalls every thread (see dew._collector).
+    warm = FreezeAfter(_FREEZE_AFTER)
     try:
         # 2. Open the stream where the checkpoint left it.
         tasks = rollout.tasks(dataset) if hasattr(rollout, "tasks") else dataset
@@ -268,6 +278,7 @@ def fit(
             for callback in log:
                 callback(record)
             result.updates, result.position = updates, position
+            warm.step()
 
             # 5. Checkpoint.
             if checkpoint_every is not None and updates % checkpoint_every == 0:
@@ -281,6 +292,7 @@ def fit(
         elif result.checkpoint is None:
             result.checkpoint = last
     finally:
+        warm.release()
         for sink in sinks:
             sink.close()
     return result

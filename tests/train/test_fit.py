@@ -208,3 +208,42 @@ def test_records_are_json_lines(tmp_path: Path) -> None:
     run(tmp_path, 2)
     lines = (tmp_path / "records.jsonl").read_text().splitlines()
     assert [json.loads(line)["step"] for line in lines] == [1, 2]
+
+
+def test_fit_freezes_the_heap_after_ten_steps_and_unfreezes_it(tmp_path: Path) -> None:
+    import gc
+
+    seen: list[int] = []
+    model, opt = parts()
+
+    def failing(model: Any, batch: Batch, *, updates: int) -> Batch:
+        if updates == 11:
+            raise RuntimeError("rollout broke")
+        return rollout(model, batch, updates=updates)
+
+    assert gc.get_freeze_count() == 0
+    fit(
+        model,
+        opt,
+        dataset(),
+        rollout,
+        GRPOObjective(),
+        steps=12,
+        log=[lambda r: seen.append(gc.get_freeze_count())],
+    )
+    # A step's callbacks run before that step counts toward the warm-up.
+    assert all(n == 0 for n in seen[:10]) and all(n > 0 for n in seen[10:])
+    assert gc.get_freeze_count() == 0
+    seen.clear()
+    with pytest.raises(RuntimeError, match="rollout broke"):
+        fit(
+            model,
+            opt,
+            dataset(),
+            failing,
+            GRPOObjective(),
+            steps=12,
+            log=[lambda r: seen.append(gc.get_freeze_count())],
+        )
+    assert len(seen) == 11 and seen[-1] > 0  # it was frozen when step 12 failed
+    assert gc.get_freeze_count() == 0  # and undone on the way out
