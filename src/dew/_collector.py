@@ -10,11 +10,11 @@ pass held every thread for up to 0.1 s; in bench/vs_trl.py's dew run, 24 passes 
   what is alive when the loop starts is moved out of the collector's generations, so
   its passes walk only what the loop allocates.
 * :class:`FreezeAfter` for ``fit``: the same, but only after a few training steps,
-  because the first steps still grow the long-lived heap (lazy imports, caches, the
-  engine's buffers). Frozen at the start of ``fit``, passes still took up to 0.156 s;
-  frozen after step 10, they took 0-2 ms, and the run went from 66.3 to 49.1 ms per
-  step. The price: cycles among objects alive at the freeze that become garbage later
-  are only collected once ``fit`` returns.
+  because the long-lived heap still grows over the first steps (the passes there grew
+  from 0.013 to 0.15 s). Frozen at the start of ``fit``, several passes still took
+  0.08-0.15 s; frozen after step 10, they took 0-2 ms, and the run went from 66.3 to
+  49.1 ms per step. The price: cycles among objects alive at the freeze that become
+  garbage later are only collected once ``fit`` returns.
 * :func:`paused` for a bounded computation that makes no cycles worth collecting (a
   plan): the collector does not run at all until it returns.
 
