@@ -221,29 +221,24 @@ def test_fit_freezes_the_heap_after_ten_steps_and_unfreezes_it(tmp_path: Path) -
             raise RuntimeError("rollout broke")
         return rollout(model, batch, updates=updates)
 
+    def train(r: Any) -> None:
+        fit(
+            model,
+            opt,
+            dataset(),
+            r,
+            GRPOObjective(),
+            steps=12,
+            log=[lambda rec: seen.append(gc.get_freeze_count())],
+        )
+
     assert gc.get_freeze_count() == 0
-    fit(
-        model,
-        opt,
-        dataset(),
-        rollout,
-        GRPOObjective(),
-        steps=12,
-        log=[lambda r: seen.append(gc.get_freeze_count())],
-    )
+    train(rollout)
     # A step's callbacks run before that step counts toward the warm-up.
     assert all(n == 0 for n in seen[:10]) and all(n > 0 for n in seen[10:])
     assert gc.get_freeze_count() == 0
     seen.clear()
     with pytest.raises(RuntimeError, match="rollout broke"):
-        fit(
-            model,
-            opt,
-            dataset(),
-            failing,
-            GRPOObjective(),
-            steps=12,
-            log=[lambda r: seen.append(gc.get_freeze_count())],
-        )
+        train(failing)
     assert len(seen) == 11 and seen[-1] > 0  # it was frozen when step 12 failed
     assert gc.get_freeze_count() == 0  # and undone on the way out

@@ -273,6 +273,12 @@ class SessionSource(Protocol):
 # --------------------------------------------------------------------------- ThreadedSource
 
 
+def _cancelled_rollout(task: Task, key: RolloutKey, calls: Sequence[Call] = ()) -> Rollout:
+    """The ``CANCELLED`` rollout of a session stopped on request (``calls``: what it
+    had made by then, kept for inspection; a cancelled rollout is never scored)."""
+    return Rollout(key=key, task=task, status=Status.CANCELLED, calls=calls, error="cancelled")
+
+
 class _ThreadedSession:
     def __init__(self, task: Task, key: RolloutKey) -> None:
         self.task = task
@@ -297,7 +303,7 @@ class _ThreadedSession:
         try:
             return self.future.result(timeout)
         except CancelledError:
-            return Rollout(key=self.key, task=self.task, status=Status.CANCELLED, error="cancelled")
+            return _cancelled_rollout(self.task, self.key)
 
     def add_done_callback(self, fn: Callable[[Session], None]) -> None:
         with self._lock:
@@ -370,19 +376,11 @@ class ThreadedSource:
         seen before or after it turns the outcome into ``CANCELLED``."""
         try:
             if session.stop.is_set():
-                out = Rollout(
-                    key=session.key, task=session.task, status=Status.CANCELLED, error="cancelled"
-                )
+                out = _cancelled_rollout(session.task, session.key)
             else:
                 out = produce()
                 if session.stop.is_set() and out.status is not Status.CANCELLED:
-                    out = Rollout(
-                        key=session.key,
-                        task=session.task,
-                        status=Status.CANCELLED,
-                        calls=out.calls,
-                        error="cancelled",
-                    )
+                    out = _cancelled_rollout(session.task, session.key, out.calls)
         except BaseException as exc:  # handed to result(); never swallowed
             session.future.set_exception(exc)
             session._finish()
@@ -406,9 +404,6 @@ class ThreadedSource:
         for s in live:  # running ones see their stop event; queued ones resolved in cancel()
             s.settled.wait()
         self._pool.shutdown(wait=True, cancel_futures=True)
-        for s in live:  # futures dropped by shutdown never ran _work
-            if s.future.cancelled():
-                s._finish()
 
     def __enter__(self) -> ThreadedSource:
         return self

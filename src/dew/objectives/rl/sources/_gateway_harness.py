@@ -56,6 +56,7 @@ from dew.objectives.rl.sessions import (
     Status,
     Task,
     ThreadedSource,
+    _cancelled_rollout,
 )
 from dew.objectives.rl.sources._common import parse_reward
 
@@ -477,7 +478,7 @@ class HarnessSource(ThreadedSource):
     ) -> Rollout:
         harness_error = outcome.error if outcome is not None else None
         if stop.is_set() or self._closing or state.halted == "cancelled":
-            return Rollout(key, task, Status.CANCELLED, calls, error="cancelled")
+            return _cancelled_rollout(task, key, calls)
         if gateway_error is not None:
             return Rollout(key, task, Status.INFRA_ERROR, calls, error=f"gateway: {gateway_error}")
         if not launched or outcome is None:

@@ -43,7 +43,15 @@ from concurrent.futures import Future
 from functools import partial
 from typing import TYPE_CHECKING, Any
 
-from dew.objectives.rl.sessions import Call, Rollout, RolloutKey, Status, Task, ThreadedSource
+from dew.objectives.rl.sessions import (
+    Call,
+    Rollout,
+    RolloutKey,
+    Status,
+    Task,
+    ThreadedSource,
+    _cancelled_rollout,
+)
 from dew.objectives.rl.sources._common import (
     ChatTokens,
     Engine,
@@ -144,15 +152,7 @@ class PromptSource(ThreadedSource):
         session = self._open(task, key)
         session.future.set_running_or_notify_cancel()  # resolved by the engine's answer
         try:
-            pending = submit(
-                self.prompt_ids(index),
-                max_tokens=self.max_tokens,
-                temperature=self.temperature,
-                top_k=self.top_k,
-                top_p=self.top_p,
-                stop_ids=self.stop_ids,
-                stop=session.stop,
-            )
+            pending = self._ask(submit, index, session.stop)
         except BaseException as exc:  # resolves the session as run() raising would
             self._settle(session, partial(_reraise, exc))
             return session
@@ -162,8 +162,9 @@ class PromptSource(ThreadedSource):
     def _generated(self, session: _ThreadedSession, pending: Future[Call]) -> None:
         """The engine answered (on its thread): score on the pool, or resolve now."""
         error = pending.exception()
+        cancelled = partial(_cancelled_rollout, session.task, session.key)
         if isinstance(error, Aborted):
-            self._settle(session, partial(self._cancelled, session.task, session.key))
+            self._settle(session, cancelled)
         elif error is not None:  # a closed or broken engine is not the rollout's doing
             self._settle(session, partial(_reraise, error))
         else:
@@ -172,7 +173,7 @@ class PromptSource(ThreadedSource):
             try:
                 self._pool.submit(self._settle, session, score)
             except RuntimeError:  # close() shut the pool after stopping this session
-                self._settle(session, partial(self._cancelled, session.task, session.key))
+                self._settle(session, cancelled)
 
     def prompt_ids(self, index: int) -> list[int]:
         """Token ids of prompt ``index`` (encoded once, then cached)."""
@@ -212,24 +213,24 @@ class PromptSource(ThreadedSource):
 
     def run(self, task: Task, key: RolloutKey, stop: threading.Event) -> Rollout:
         """One rollout on a pool thread (engines without ``submit``)."""
-        prompt = self.prompt_ids(task_index(task, key, len(self.prompts)))
         try:
-            call = self.server.generate(
-                prompt,
-                max_tokens=self.max_tokens,
-                temperature=self.temperature,
-                top_k=self.top_k,
-                top_p=self.top_p,
-                stop_ids=self.stop_ids,
-                stop=stop,
-            )
+            call = self._ask(self.server.generate, task_index(task, key, len(self.prompts)), stop)
         except Aborted:
-            return self._cancelled(task, key)
+            return _cancelled_rollout(task, key)
         return self._score(task, key, call)
 
-    @staticmethod
-    def _cancelled(task: Task, key: RolloutKey) -> Rollout:
-        return Rollout(key=key, task=task, status=Status.CANCELLED, error="cancelled")
+    def _ask(self, method: Callable[..., Any], index: int, stop: threading.Event) -> Any:
+        """``method`` (the engine's ``generate`` or ``submit``) on prompt ``index`` with
+        the source's sampling settings."""
+        return method(
+            self.prompt_ids(index),
+            max_tokens=self.max_tokens,
+            temperature=self.temperature,
+            top_k=self.top_k,
+            top_p=self.top_p,
+            stop_ids=self.stop_ids,
+            stop=stop,
+        )
 
     def _score(self, task: Task, key: RolloutKey, call: Call) -> Rollout:
         """The verifier's verdict on one finished call, as a rollout."""
