@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from dew.objectives.rl.sessions import Task
+    from dew.core import Task
 
 THRESHOLD = 0.6
 WINDOW = 10
@@ -244,7 +244,7 @@ class TwoTurnCopyEnv:
 
 def two_turn_max_chain(tokenizer: Any, max_tokens: int) -> int:
     """Longest prompt + completion tokens of one two-turn episode."""
-    from dew.objectives.rl.sources._common import ChatTokens
+    from dew.objectives.rl.sources import ChatTokens
 
     chat = ChatTokens(tokenizer)
     message = [{"role": "user", "content": "0" * DIGITS + "="}]

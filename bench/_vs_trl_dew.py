@@ -41,6 +41,7 @@ def _two_turn(spec: RunSpec) -> Any:
     """The builder of the two-turn task's parts, in the demo registry's shape."""
 
     def build(config: Any, server: Any, tokenizer: Any) -> Any:
+        from dew.core import SamplingParams
         from dew.demo.run import TaskParts
         from dew.objectives.rl.sources import EnvironmentSource
 
@@ -52,9 +53,8 @@ def _two_turn(spec: RunSpec) -> Any:
             tokenizer=tokenizer,
             max_turns=TURNS,
             max_context=width,
-            max_tokens=config.max_tokens,
-            temperature=config.temperature,
             workers=config.batch_size * config.group_size * (config.ahead + 1),
+            sampling=SamplingParams(max_tokens=config.max_tokens, temperature=config.temperature),
         )
         return TaskParts(source, width, source.close)
 
@@ -92,6 +92,7 @@ def run_dew(spec: RunSpec) -> RunResult:
                 checkpoint_every=None,
                 log=[on_record],
                 tensorboard=False,
+                freeze_gc=True,  # as the demo runs
             )
         except _Enough:
             pass

@@ -102,8 +102,8 @@ def grpo_config(spec: RunSpec, config: Any, output_dir: str) -> Any:
 
 def _copy_reward(config: Any, tokenizer: Any) -> tuple[Callable[..., list[float]], list[str]]:
     """(reward function over TRL's completion ids, the prompt texts) for the copy task."""
+    from dew.core import Call, Task
     from dew.demo.tasks import make_task
-    from dew.objectives.rl.sessions import Call, Task
 
     low, high = config.digits
     task = make_task(
@@ -144,8 +144,8 @@ def _two_turn_rollout(
     task: TwoTurnTask, tokenizer: Any, latency: float, pool: ThreadPoolExecutor
 ) -> Callable[[list[str], Any], dict[str, Any]]:
     """A ``rollout_func``: each prompt is a task id; returns TRL's rollout fields."""
-    from dew.objectives.rl.sessions import Task
-    from dew.objectives.rl.sources._common import ChatTokens
+    from dew.core import Task
+    from dew.objectives.rl.sources import ChatTokens
 
     chat = ChatTokens(tokenizer)
     eos = int(tokenizer.eos_token_id)

@@ -40,6 +40,7 @@ import transformers
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/_results.py
 import _results
 from _results import machine, write_section, write_summary_row
+from dew.core import SamplingParams
 from dew.demo.model import make_model
 from dew.serving import RolloutServer
 
@@ -84,7 +85,11 @@ def _server_generate(
 
     def one(i: int) -> None:
         go.wait()
-        counts[i] = len(server.generate(prompts[i], max_tokens=new, temperature=1.0).completion)
+        counts[i] = len(
+            server.generate(
+                prompts[i], SamplingParams(max_tokens=new, temperature=1.0, stop_ids=())
+            ).completion
+        )
 
     threads = [threading.Thread(target=one, args=(i,)) for i in range(len(prompts))]
     for t in threads:
@@ -173,28 +178,26 @@ def latency(size: str, long: int, long_tokens: int, seed: int) -> tuple[float, f
     prompts = _prompts(long + 1, model.config.vocab_size, seed, 8, 24)
     short_tokens = 8
     with _in_thread(lambda: RolloutServer(model, max_batch=long + 1, seed=seed)) as server:
-        server.generate(prompts[-1], max_tokens=short_tokens)  # warm-up
+        server.generate(
+            prompts[-1], SamplingParams(max_tokens=short_tokens, stop_ids=())
+        )  # warm-up
         t0 = time.perf_counter()
-        server.generate(prompts[-1], max_tokens=short_tokens)
+        server.generate(prompts[-1], SamplingParams(max_tokens=short_tokens, stop_ids=()))
         alone = time.perf_counter() - t0
 
         t0 = time.perf_counter()
-        threads = [
-            threading.Thread(target=server.generate, args=(p,), kwargs={"max_tokens": long_tokens})
-            for p in prompts[:-1]
-        ]
-        for t in threads:
-            t.start()
+        long_params = SamplingParams(max_tokens=long_tokens, stop_ids=())
+        futures = [server.submit(p, long_params) for p in prompts[:-1]]
         deadline = time.monotonic() + 120
         while server.stats()["active"] < long:  # wait until every long request decodes
             if time.monotonic() > deadline:
                 raise RuntimeError("long requests never became active")
             time.sleep(0.001)
         s0 = time.perf_counter()
-        server.generate(prompts[-1], max_tokens=short_tokens)
+        server.generate(prompts[-1], SamplingParams(max_tokens=short_tokens, stop_ids=()))
         beside = time.perf_counter() - s0
-        for t in threads:
-            t.join()
+        for f in futures:
+            f.result()
         batch_time = time.perf_counter() - t0
     return alone, beside, batch_time
 

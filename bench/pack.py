@@ -31,8 +31,9 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/_results.py
 import _results
 from _results import machine, write_section, write_summary_row
+from dew.core import Call, Rollout, RolloutKey, Status, Task
+from dew.objectives.rl.chains import chains
 from dew.objectives.rl.pack import pack
-from dew.objectives.rl.sessions import Call, Rollout, RolloutKey, Status, Task, chains
 
 RESULTS = _results.RESULTS
 GROUP = 8

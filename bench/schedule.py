@@ -41,8 +41,10 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/_results.py
 import _results
 from _results import machine, write_section, write_summary_row
+from dew.objectives.rl.config import SchedulerConfig
 from dew.plan._trace import Figures, summarize
-from dew.plan.planner import Policy, Scenario, simulate
+from dew.plan.cli import default_policies
+from dew.plan.planner import Scenario, simulate
 from dew.plan.sim import run_scheduler
 
 HERE = Path(__file__).resolve().parent
@@ -51,21 +53,12 @@ PLOT = HERE / "schedule.png"
 QUANTUM = {"dapo": 16, "dapo-moments": 16, "longcot": 64}  # simulated tokens per token id
 
 
-def policies(tasks: int, group: int) -> list[Policy]:
-    """The compared policies; oversample and admit as shares of the group and the batch."""
-    quarter = max(group // 4, 1)
-    return [
-        Policy(ahead=0),
-        Policy(ahead=1),
-        Policy(ahead=2),
-        Policy(ahead=1, oversample=quarter),
-        Policy(ahead=1, oversample=group),
-        Policy(ahead=1, admit=max(tasks * 3 // 4, 1)),
-        Policy(ahead=2, oversample=quarter),
-    ]
+# The compared policies: `dew plan`'s defaults (oversample and admit as shares of the
+# group and of the batch, max_lag as tight as each allows).
+policies = default_policies
 
 
-def label(p: Policy, tasks: int, group: int) -> str:
+def label(p: SchedulerConfig, tasks: int, group: int) -> str:
     parts = ["sync" if p.ahead == 0 else f"ahead {p.ahead}"]
     if p.oversample:
         parts.append(f"os {round(100 * p.oversample / group)}%")
@@ -80,7 +73,7 @@ class Row:
     tasks: int
     group: int
     t_ratio: float
-    policy: Policy
+    policy: SchedulerConfig
     plan: Figures  # planned over the same steps and window as the real run
     steady: Figures  # planned over a longer run: the steady-state prediction
     real: Figures
@@ -104,7 +97,7 @@ class Row:
         return self.real.fraction / self.plan.fraction
 
 
-Cell = tuple[str, int, int, float, Policy]  # preset, tasks, group, T ratio, policy
+Cell = tuple[str, int, int, float, SchedulerConfig]  # preset, tasks, group, T ratio, policy
 
 
 def plan_all(
@@ -113,9 +106,10 @@ def plan_all(
     """Every policy's steady plan, and the median wall seconds of ``repeats`` plans.
 
     Timed first, before any real run, in a process that has done nothing else yet: that
-    is how ``dew plan`` runs. (Timed between real runs, the same plans were about a
-    sixth slower, and the real runs' threads are joined by then; the cause was not
-    found.) The plan is deterministic, so every repeat gives the same figures.
+    is how ``dew plan`` runs. (Timed between real runs, the same plans were measurably
+    slower, though the real runs' threads are joined by then; bench/RESULTS.md,
+    "garbage collector", has the figure.) The plan is deterministic, so every repeat
+    gives the same figures.
     """
     out = {}
     for cell in cells:
@@ -213,7 +207,7 @@ def targets(rows: list[Row]) -> list[str]:
     )
     lines.append(planner_speed(rows))
     for r in rows:
-        if r.preset == "longcot" and r.policy == Policy(ahead=2):
+        if r.preset == "longcot" and r.policy == SchedulerConfig.tight(ahead=2):
             lines.append(
                 f"- longcot ahead 2 >= 0.95 at {r.tasks}x{r.group} T={r.t_ratio}x: steady plan "
                 f"{r.steady.fraction:.3f} ({_ok(r.steady.fraction, 0.95)}), real "

@@ -46,10 +46,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/_results.py
 import _results
 from _results import machine, write_section, write_summary_row
+from dew.core import Call, Rollout, RolloutKey, Session, Status, Task
 from dew.data import Dataset, Prefetch
 from dew.objectives.rl.pack import pack
 from dew.objectives.rl.scheduler import RolloutScheduler
-from dew.objectives.rl.sessions import Call, Rollout, RolloutKey, Session, Status, Task
 
 RESULTS = _results.RESULTS
 SECTION = "## scheduler overhead"

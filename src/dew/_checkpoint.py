@@ -38,7 +38,16 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["Checkpoint", "CheckpointError", "checkpoints", "latest", "load", "save"]
+__all__ = [
+    "Checkpoint",
+    "CheckpointError",
+    "checkpoints",
+    "latest",
+    "load",
+    "save",
+    "step_name",
+    "step_of",
+]
 
 logger = logging.getLogger("dew.train")
 
@@ -102,11 +111,26 @@ def _set_rng_json(rng: Mapping[str, Any]) -> None:
     np.random.set_state((kind, np.asarray(keys, dtype=np.uint32), pos, has_gauss, cached))
 
 
+def step_name(updates: int) -> str:
+    """The folder name of the checkpoint taken after ``updates`` updates."""
+    return f"step-{updates:08d}"
+
+
+def step_of(path: str | os.PathLike[str]) -> int | None:
+    """The updates of a checkpoint folder named as :func:`step_name` names it, else None.
+
+    The one parser of checkpoint names: any number of digits is read, so folders
+    written with other zero padding still sort by their updates.
+    """
+    m = _NAME.match(Path(path).name)
+    return None if m is None else int(m.group(1))
+
+
 def checkpoints(folder: Path) -> list[Path]:
     """Published checkpoint folders under ``folder``, oldest first (unverified)."""
     if not folder.is_dir():
         return []
-    found = [(int(m.group(1)), p) for p in folder.iterdir() if (m := _NAME.match(p.name))]
+    found = [(n, p) for p in folder.iterdir() if (n := step_of(p)) is not None]
     return [p for _, p in sorted(found)]
 
 
@@ -134,7 +158,7 @@ def save(
         raise ValueError(f"keep={keep} must be >= 1")
     folder.mkdir(parents=True, exist_ok=True)
     _clean_temporaries(folder)
-    final = folder / f"step-{updates:08d}"
+    final = folder / step_name(updates)
     tmp = folder / f".tmp-{final.name}-{os.getpid()}"
     tmp.mkdir()
     try:

@@ -2,19 +2,18 @@
 
 A trainer process holds a large, long-lived heap (the model, the optimizer, the data,
 every imported library). A full pass of the cyclic collector walks all of it, and while
-it runs no thread moves: measured in a simulated-engine scheduler run (dew.plan.sim), one
-pass held every thread for up to 0.1 s; in bench/vs_trl.py's dew run, 24 passes of about
-0.155 s each took a quarter of a 200-step run. Three remedies, each undone on the way out:
+it runs no thread moves: in a scheduler run or a training loop such passes show up as
+stalls of every thread (measured in bench/RESULTS.md, "garbage collector"). Three
+remedies, each undone on the way out:
 
 * :func:`frozen` for a loop over a large set-up heap (the simulated scheduler run):
   what is alive when the loop starts is moved out of the collector's generations, so
   its passes walk only what the loop allocates.
-* :class:`FreezeAfter` for ``fit``: the same, but only after a few training steps,
-  because the long-lived heap still grows over the first steps (the passes there grew
-  from 0.013 to 0.15 s). Frozen at the start of ``fit``, several passes still took
-  0.08-0.15 s; frozen after step 10, they took 0-2 ms, and the run went from 66.3 to
-  49.1 ms per step. The price: cycles among objects alive at the freeze that become
-  garbage later are only collected once ``fit`` returns.
+* :class:`FreezeAfter` for ``fit(..., freeze_gc=True)``: the same, but only after a
+  few training steps, because the long-lived heap still grows over the first steps
+  (frozen at the very start, later passes still walk what those steps added). The
+  price: cycles among objects alive at the freeze that become garbage later are only
+  collected once ``fit`` returns. ``fit`` leaves it off unless asked.
 * :func:`paused` for a bounded computation that makes no cycles worth collecting (a
   plan): the collector does not run at all until it returns.
 

@@ -2,13 +2,16 @@
 
 Each process of a ``torchrun`` job runs its own :class:`RolloutScheduler` over its own
 share of the task stream and its own source, and packs its own rows. :func:`attach`
-connects a scheduler to the pool through its hooks:
+connects a scheduler to the pool by handing it one
+:class:`~dew.objectives.rl.config.SchedulerHooks` (:func:`scheduler_hooks` builds it;
+``RolloutScheduler.from_config(..., hooks=...)`` takes it at construction):
 
 * the weight push goes through :class:`AgreedPublisher`: every process pushes at the
   same calls and they check that they push the same version;
-* ``scheduler.agree`` meets the other processes after admission and before rescoring;
+* the ``agree`` hook meets the other processes after admission and before rescoring;
   if any process's admission failed, or one did not arrive in ``agree_timeout``
-  seconds, every process raises :class:`PoolError` naming the rank and cause;
+  seconds, every process raises :class:`PoolError` naming the rank and cause (a
+  source's own exception and whatever it was raised from);
 * with ``readers_per_share > 1`` (a tensor or sequence axis across processes, whose
   members must hold the same rows) only a share's first reader samples; the others
   start nothing, log nothing, and receive its packed rows (:func:`first_reader_batch`).
@@ -47,7 +50,7 @@ import json
 import os
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -60,6 +63,7 @@ from dew.data import Batch, Dataset
 if TYPE_CHECKING:
     import torch
 
+    from dew.objectives.rl.config import SchedulerHooks
     from dew.objectives.rl.scheduler import Publisher, RolloutScheduler
 
 __all__ = [
@@ -73,6 +77,7 @@ __all__ = [
     "average_gradients",
     "first_reader_batch",
     "init_pool",
+    "scheduler_hooks",
 ]
 
 _CAUSE_LIMIT = 2000  # characters of a failure's message carried to the other processes
@@ -103,7 +108,6 @@ class Pool:
     timeout: float = 1800.0  # the process group's collective timeout, seconds
     backend: str = "gloo"
     share_group: Any = None  # process group of this rank's share (None: one reader)
-    pushes: list[int] = field(default_factory=list)  # versions pushed (AgreedPublisher)
 
     @property
     def shares(self) -> int:
@@ -168,12 +172,13 @@ class Pool:
                 {},
             ) from exc
 
-    def agree(self, failure: BaseException | None, *, cause: BaseException | None = None) -> None:
+    def agree(self, failure: BaseException | None) -> None:
         """Meet every process; raise PoolError everywhere if any one passed a failure.
 
-        ``cause``, when given, is the failure's origin if it is not already chained to it.
+        The others see the failure's type and message, and those of every exception it
+        was raised from.
         """
-        payload = "ok" if failure is None else "fail " + _describe(failure, cause)
+        payload = "ok" if failure is None else "fail " + _describe(failure)
         try:
             payloads = self.exchange("agree", payload)
         except PoolError as exc:
@@ -223,7 +228,7 @@ class Pool:
             dist.destroy_process_group()
 
 
-def _describe(exc: BaseException, cause: BaseException | None = None) -> str:
+def _describe(exc: BaseException) -> str:
     """``Type: message`` of ``exc`` and of each exception it was raised from."""
     parts, seen = [], set()
     current: BaseException | None = exc
@@ -231,8 +236,6 @@ def _describe(exc: BaseException, cause: BaseException | None = None) -> str:
         seen.add(id(current))
         parts.append(f"{type(current).__name__}: {current}")
         current = current.__cause__ or current.__context__
-    if cause is not None and id(cause) not in seen:
-        parts.append(f"{type(cause).__name__}: {cause}")
     text = " <- caused by ".join(parts)
     return text if len(text) <= _CAUSE_LIMIT else text[:_CAUSE_LIMIT] + "..."
 
@@ -337,13 +340,12 @@ class AgreedPublisher:
 
     Each ``load`` is an agreement round: every process must push the same version
     at the same call, else every process raises PoolError naming the disagreement.
-    ``pushes`` lists the versions pushed so far.
     """
 
     def __init__(self, inner: Publisher, pool: Pool) -> None:
         self.inner = inner
         self.pool = pool
-        self.pushes: list[int] = []
+        self._rounds = 0  # pushes agreed so far, to name the one that disagrees
 
     def load(self, variables: Any, version: int) -> None:
         versions = [int(v) for v in self.pool.exchange("push", str(int(version)))]
@@ -351,37 +353,45 @@ class AgreedPublisher:
             causes = {r: f"pushes version {v}" for r, v in enumerate(versions)}
             odd = [r for r, v in enumerate(versions) if v != versions[0]]
             raise PoolError(
-                f"rank {self.pool.rank}: the pool disagrees on push #{len(self.pushes)}: "
+                f"rank {self.pool.rank}: the pool disagrees on push #{self._rounds}: "
                 + ", ".join(f"rank {r} pushes version {v}" for r, v in enumerate(versions)),
                 odd,
                 causes,
             )
+        self._rounds += 1
         self.inner.load(variables, version)
-        self.pushes.append(int(version))
-        self.pool.pushes.append(int(version))
+
+
+def scheduler_hooks(pool: Pool) -> SchedulerHooks:
+    """The hooks that join a scheduler to ``pool``: agreement, shared rows, agreed pushes.
+
+    Hand them over with ``RolloutScheduler.from_config(..., hooks=scheduler_hooks(pool))``
+    or :func:`attach`. A share's later reader (``readers_per_share > 1``) samples
+    nothing and trains on its first reader's rows.
+    """
+    from dew.objectives.rl.config import SchedulerHooks
+
+    def share(batch: Batch | None) -> Batch:
+        return first_reader_batch(batch, pool)
+
+    def agreed(inner: Publisher) -> Publisher:
+        return AgreedPublisher(inner, pool)
+
+    return SchedulerHooks(
+        agree=pool.agree,
+        share=share if pool.readers_per_share > 1 else None,
+        samples=pool.first_reader,
+        publisher=agreed,
+    )
 
 
 def attach(scheduler: RolloutScheduler, pool: Pool) -> None:
-    """Connect ``scheduler`` to the pool: agreement, shared rows, agreed weight pushes.
+    """Connect a scheduler built without hooks to the pool (:func:`scheduler_hooks`).
 
-    Call it before opening the scheduler's task stream; a share's later readers then
-    register no task batches and start no rollouts.
+    Call it before opening the scheduler's task stream: the scheduler refuses hooks
+    after that (``RolloutScheduler.connect``).
     """
-
-    def agree(failure: BaseException | None) -> None:
-        # The scheduler reports a source that broke between calls with a generic error
-        # that does not chain the source's exception; its stored failure (a private
-        # attribute) is the cause the other processes need to see.
-        pool.agree(failure, cause=getattr(scheduler, "_failure", None) if failure else None)
-
-    scheduler.agree = agree
-    if pool.readers_per_share > 1:
-        scheduler.share = lambda batch: first_reader_batch(batch, pool)
-    else:
-        scheduler.share = None
-    scheduler.samples = pool.first_reader
-    if not isinstance(scheduler.weights, AgreedPublisher):
-        scheduler.weights = AgreedPublisher(scheduler.weights, pool)
+    scheduler.connect(scheduler_hooks(pool))
 
 
 def first_reader_batch(batch: Batch | None, pool: Pool) -> Batch:
@@ -541,7 +551,9 @@ def agreed_checkpoint(run_dir: str | os.PathLike[str], pool: Pool) -> Path | Non
             _checkpoint.verify(path)
         except _checkpoint.CheckpointError:
             continue  # fit refuses it too; an older one may still be common
-        mine[int(path.name.rsplit("-", 1)[1])] = path
+        updates = _checkpoint.step_of(path)
+        assert updates is not None, "checkpoints() lists step folders only"
+        mine[updates] = path
     everyone = [set(json.loads(p)) for p in pool.exchange("resume", json.dumps(sorted(mine)))]
     common = set.intersection(*everyone)
     if common:

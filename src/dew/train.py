@@ -15,13 +15,19 @@
    every ``log`` callback;
 5. a checkpoint every ``checkpoint_every`` updates and at the end.
 
-After the first ten steps the heap alive then is frozen for the cyclic collector, and
-unfrozen when ``fit`` returns or raises (why: :mod:`dew._collector`).
+With ``freeze_gc=True`` the heap alive after the first ten steps is frozen for the
+cyclic collector, and unfrozen when ``fit`` returns or raises (why, and what it
+measured: :mod:`dew._collector` and bench/RESULTS.md). It is off by default: it
+changes when garbage is collected for the whole process.
 
-A *Rollout* is anything callable as ``rollout(model, batch, *, updates) -> packed``:
+A *trainer rollout* (:class:`TrainerRollout`; the reference page calls it the trainer's
+Rollout, a different thing from the :class:`dew.core.Rollout` record) is anything
+callable as ``rollout(model, batch, *, updates) -> packed``:
 a :class:`~dew.objectives.rl.scheduler.RolloutScheduler`, or a plain function.
 Optional attributes make it richer: ``tasks(dataset)``, ``ahead``, ``history``
-(records of its calls) and ``last_tasks`` (task ids of the last call by outcome).
+(a sequence of :class:`~dew.objectives.rl.scheduler.SchedulerRecord`, one per call),
+``restore_history(records)`` (a resume hands it the checkpoint's) and ``last_tasks``
+(task ids of the last call by outcome).
 
 Exactly once: a checkpoint holds the data position of the next batch and the record
 history; a resume rewrites ``records.jsonl`` to that history and reads the stream
@@ -50,17 +56,24 @@ from dew._collector import FreezeAfter
 from dew._sinks import JsonlSink, Sink, tensorboard_sink
 from dew.data import Batch, Dataset, Prefetch
 
-__all__ = ["CheckpointError", "FitResult", "Rollout", "fit", "latest_checkpoint", "read_records"]
+__all__ = [
+    "CheckpointError",
+    "FitResult",
+    "TrainerRollout",
+    "fit",
+    "latest_checkpoint",
+    "read_records",
+]
 
 logger = logging.getLogger("dew.train")
 
-# Training steps after which fit freezes the heap (dew._collector.FreezeAfter).
+# Training steps after which fit(freeze_gc=True) freezes the heap (dew._collector.FreezeAfter).
 _FREEZE_AFTER = 10
 
 Record = dict[str, Any]
 
 
-class Rollout(Protocol):
+class TrainerRollout(Protocol):
     """Turns a task batch into a packed training batch for the current weights."""
 
     def __call__(self, variables: Any, batch: Batch, *, updates: int) -> Batch: ...
@@ -113,25 +126,27 @@ def _resume_path(run_dir: Path | None, resume: bool | str | os.PathLike[str]) ->
     return path  # a checkpoint folder: verified (strictly) by load
 
 
-def _step_path(folder: Path, updates: int) -> Path:
-    return folder / f"step-{updates:08d}"
-
-
 def _restore_history(rollout: Any, records: Sequence[Record]) -> None:
-    """Refill a scheduler's ``history`` from the checkpoint's records."""
-    history = getattr(rollout, "history", None)
-    if not isinstance(history, list):
+    """Hand a rollout that keeps a history the checkpoint's scheduler records."""
+    restore = getattr(rollout, "restore_history", None)
+    if restore is None:
         return
     from dew.objectives.rl.scheduler import SchedulerRecord
 
-    history.clear()
-    history.extend(SchedulerRecord(**r["scheduler"]) for r in records if "scheduler" in r)
+    restore([SchedulerRecord(**r["scheduler"]) for r in records if "scheduler" in r])
 
 
-def _set_aside_newer(chosen: Path) -> None:
-    """Rename refused checkpoints newer than ``chosen`` so pruning never keeps them."""
-    for path in _checkpoint.checkpoints(chosen.parent):
-        if path.name > chosen.name:
+def _history(rollout: Any) -> Sequence[Any]:
+    """The rollout's records so far (read afresh: it may hand out a snapshot)."""
+    history = getattr(rollout, "history", None)
+    return history if isinstance(history, Sequence) else ()
+
+
+def _set_aside_newer(folder: Path, updates: int) -> None:
+    """Rename the checkpoints of ``folder`` newer than ``updates`` so pruning never keeps them."""
+    for path in _checkpoint.checkpoints(folder):
+        step = _checkpoint.step_of(path)
+        if step is not None and step > updates:
             path.rename(path.with_name(f"refused-{path.name}-{int(time.time())}"))
 
 
@@ -139,7 +154,7 @@ def fit(
     model: Any,
     optimizer: Any,
     dataset: Dataset,
-    rollout: Rollout,
+    rollout: TrainerRollout,
     objective: Any,
     *,
     steps: int,
@@ -152,6 +167,7 @@ def fit(
     max_grad_norm: float | None = 1.0,
     tensorboard: bool = True,
     config: Mapping[str, Any] | None = None,
+    freeze_gc: bool = False,
 ) -> FitResult:
     """Train until ``steps`` optimizer updates have been taken in total.
 
@@ -164,6 +180,13 @@ def fit(
     ``prefetch`` is the look-ahead depth of the stream reader (default: the rollout's
     ``ahead``, at least 1). ``log`` callbacks receive each step's record.
     ``config`` is stored as JSON in every checkpoint.
+
+    ``freeze_gc`` (off by default) freezes the heap alive after the first ten steps,
+    so the cyclic collector's full passes stop walking the model, optimizer and
+    libraries and stalling every thread while they do; it is undone when ``fit``
+    returns or raises. The price: cycles among those objects that become garbage
+    later wait until then. Its measured effect is in bench/RESULTS.md ("garbage
+    collector"); :mod:`dew._collector` has the mechanism.
     """
     import torch
 
@@ -180,6 +203,8 @@ def fit(
             f"prefetch={prefetch} must be >= the rollout's ahead={rollout.ahead}: the "
             "scheduler can only work on batches the reader has already read"
         )
+    if not isinstance(freeze_gc, bool):
+        raise ValueError(f"freeze_gc={freeze_gc!r} must be True or False")
     if max_grad_norm is not None and not max_grad_norm > 0:
         raise ValueError(f"max_grad_norm={max_grad_norm!r} must be None or > 0")
     run = None if run_dir is None else Path(run_dir)
@@ -197,7 +222,7 @@ def fit(
     if source is not None:
         ckpt = _checkpoint.load(source, model=model, optimizer=optimizer)
         if folder is not None and source.parent.resolve() == folder.resolve():
-            _set_aside_newer(source)
+            _set_aside_newer(folder, ckpt.updates)
         updates, position, records = ckpt.updates, ckpt.position, ckpt.records
         _restore_history(rollout, records)
         logger.info("resumed from %s at update %d, data position %d", source, updates, position)
@@ -223,19 +248,18 @@ def fit(
             keep=keep,
         )
 
-    # Once the first steps have grown the long-lived heap, it leaves the collector's
+    # Once the first steps have grown the long-lived heap, it may leave the collector's
     # generations: a full pass over it stalls every thread (see dew._collector).
-    warm = FreezeAfter(_FREEZE_AFTER)
+    warm = FreezeAfter(_FREEZE_AFTER) if freeze_gc else None
     try:
         # 2. Open the stream where the checkpoint left it.
         tasks = rollout.tasks(dataset) if hasattr(rollout, "tasks") else dataset
         reader: Iterator[Batch] = Prefetch(tasks.stream(position), prefetch)
-        history = getattr(rollout, "history", None)
         while updates < steps:
             # 3. One batch, one rollout call, one update.
             t0 = time.monotonic()
             batch = next(reader)
-            seen = len(history) if isinstance(history, list) else 0
+            seen = len(_history(rollout))
             packed = rollout(model, batch, updates=updates)
             t1 = time.monotonic()
             loss, metrics = objective.loss(model, packed)
@@ -263,7 +287,8 @@ def fit(
                 record["grad_norm"] = grad_norm if math.isfinite(grad_norm) else str(grad_norm)
             if "loss_mask" in packed:
                 record["trained_tokens"] = int(packed["loss_mask"].sum())
-            if isinstance(history, list) and len(history) > seen:
+            history = _history(rollout)
+            if len(history) > seen:
                 record["scheduler"] = _jsonable(history[-1])
             last_tasks = getattr(rollout, "last_tasks", None)
             if last_tasks:
@@ -278,7 +303,8 @@ def fit(
             for callback in log:
                 callback(record)
             result.updates, result.position = updates, position
-            warm.step()
+            if warm is not None:
+                warm.step()
 
             # 5. Checkpoint.
             if checkpoint_every is not None and updates % checkpoint_every == 0:
@@ -286,13 +312,14 @@ def fit(
         # The final state is always saved (unless it already is).
         last = result.checkpoint or source
         if folder is not None and (
-            last is None or last.resolve() != _step_path(folder, updates).resolve()
+            last is None or last.resolve() != (folder / _checkpoint.step_name(updates)).resolve()
         ):
             checkpoint()
         elif result.checkpoint is None:
             result.checkpoint = last
     finally:
-        warm.release()
+        if warm is not None:
+            warm.release()
         for sink in sinks:
             sink.close()
     return result

@@ -11,8 +11,8 @@ from types import ModuleType
 
 import pytest
 
+from dew.core import Task
 from dew.demo.model import make_tokenizer
-from dew.objectives.rl.sessions import Task
 
 BENCH = Path(__file__).resolve().parents[2] / "bench"
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
+from dew.core import Task
 from dew.demo.guess import GuessEnv, make_env, target_of
-from dew.objectives.rl.sessions import Task
 from dew.objectives.rl.sources import AgentError, Environment
 
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from dew.core import Call, RolloutKey, SamplingParams, Status, Task
 from dew.demo.model import make_model, make_tokenizer
 from dew.demo.tasks import make_prompts, make_task, score
-from dew.objectives.rl.sessions import Call, RolloutKey, Status, Task
 from dew.objectives.rl.sources import PromptSource
 from dew.serving import RolloutServer
 
@@ -111,9 +111,8 @@ def test_an_untrained_model_is_far_below_the_goal(which: str) -> None:
             server,
             task.prompts,
             task.verifier,
-            max_tokens=settings["max_tokens"],
-            stop_ids=[EOS],
             workers=16,
+            sampling=SamplingParams(max_tokens=settings["max_tokens"], stop_ids=[EOS]),
         ) as source,
     ):
         sessions = [source.start(Task(str(i)), RolloutKey(0, i, 0)) for i in range(64)]

@@ -1,7 +1,7 @@
 import pytest
 
+from dew.objectives.rl.config import SchedulerConfig
 from dew.plan.cli import main, parse_policy
-from dew.plan.planner import Policy
 
 
 def test_plan_prints_a_row_per_policy(capsys):
@@ -19,8 +19,10 @@ def test_plan_prints_a_row_per_policy(capsys):
 
 
 def test_parse_policy():
-    assert parse_policy("2,os=25%,admit=50%,lag=3", 64, 8) == Policy(2, 2, 32, 3)
-    assert parse_policy("0", 64, 8) == Policy(0)
+    assert parse_policy("2,os=25%,admit=50%,lag=3", 64, 8) == SchedulerConfig(
+        ahead=2, oversample=2, admit=32, max_lag=3
+    )
+    assert parse_policy("0", 64, 8) == SchedulerConfig.tight(ahead=0)
     with pytest.raises(ValueError, match="unknown option 'x'"):
         parse_policy("1,x=2", 64, 8)
     with pytest.raises(ValueError, match="must start with ahead"):

@@ -2,8 +2,9 @@ import math
 
 import pytest
 
+from dew.objectives.rl.config import SchedulerConfig
 from dew.plan._engine import EngineConfig, EngineModel
-from dew.plan.planner import Policy, Scenario, plan, simulate
+from dew.plan.planner import Scenario, plan, simulate
 from dew.plan.presets import LengthPreset
 
 
@@ -45,7 +46,7 @@ def _heavy(T_ratio: float, steps: int = 10) -> Scenario:
 
 def test_ahead_beats_synchronous_on_heavy_tails():
     sc = _heavy(0.5)
-    sync, ahead = plan(Policy(0), sc), plan(Policy(1), sc)
+    sync, ahead = plan(SchedulerConfig.tight(ahead=0), sc), plan(SchedulerConfig.tight(ahead=1), sc)
     assert sync.fraction < ahead.fraction
     assert sync.lag == 0 and ahead.lag == pytest.approx(1.0)
     for f in (sync, ahead):
@@ -57,15 +58,15 @@ def test_ahead_beats_synchronous_on_heavy_tails():
 
 def test_trainer_bound_runs_reach_the_limit():
     sc = _heavy(20.0, steps=6)
-    f = plan(Policy(1), sc)
+    f = plan(SchedulerConfig.tight(ahead=1), sc)
     assert f.fraction == pytest.approx(1.0, abs=0.01)
     assert f.trainer_idle < 0.01
 
 
 def test_oversample_and_admit_favour_short_rollouts():
     sc = _heavy(0.5)
-    over = plan(Policy(1, oversample=4), sc)
-    admit = plan(Policy(1, admit=24), sc)
+    over = plan(SchedulerConfig.tight(ahead=1, oversample=4), sc)
+    admit = plan(SchedulerConfig.tight(ahead=1, admit=24), sc)
     assert over.length_bias < 0.9 and admit.length_bias < 0.95
     assert over.wasted > 0 and admit.wasted > 0
     assert admit.samples_ratio == pytest.approx(admit.fraction * 24 / 32)
@@ -75,7 +76,7 @@ def test_trace_follows_the_trainer_timeline():
     T = 5.0
     p = LengthPreset("flat", math.log(100), 0.0, 0.0, 1000)
     sc = Scenario(p, tasks=2, group=2, T=T, steps=3, warmup=1)
-    trace = simulate(Policy(0), sc)
+    trace = simulate(SchedulerConfig.tight(ahead=0), sc)
     cfg = sc.engine
     gen = 100 * (cfg.a + cfg.b * 4)  # 4 sequences of 100 tokens, all at once
     for k, s in enumerate(trace.steps):
@@ -87,7 +88,7 @@ def test_trace_follows_the_trainer_timeline():
 
 def test_policy_and_scenario_validate():
     with pytest.raises(ValueError, match="max_lag"):
-        Policy(ahead=2, max_lag=1)
+        SchedulerConfig(ahead=2, max_lag=1)
     with pytest.raises(ValueError, match="warmup"):
         Scenario.relative("dapo", 4, 2, 1.0, steps=2, warmup=2)
 
@@ -101,3 +102,19 @@ def test_engine_slot_freed_before_a_push_serves_the_old_version():
     e.served = 5
     e.add("z", 1)
     assert [(k, v) for k, _, v in e.advance(10.0)] == [("y", 0), ("z", 5)]
+
+
+def test_the_scenario_sets_the_group_and_timeouts_are_refused():
+    sc = _heavy(0.5, steps=6)
+    base = plan(SchedulerConfig.tight(ahead=1), sc)
+    assert plan(SchedulerConfig.tight(ahead=1, groups=3), sc) == base  # groups=8 from sc
+    with pytest.raises(ValueError, match=r"timeout=5\.0: the planner does not model"):
+        plan(SchedulerConfig.tight(ahead=1, timeout=5.0), sc)
+
+
+def test_sync_every_pushes_every_other_step():
+    p = LengthPreset("flat", math.log(100), 0.0, 0.0, 1000)
+    sc = Scenario(p, tasks=2, group=2, T=1.0, steps=4, warmup=1)
+    trace = simulate(SchedulerConfig.tight(ahead=0, sync_every=2), sc)
+    assert [s.lag for s in trace.steps] == [0, 1, 0, 1]
+    assert [s.lag for s in simulate(SchedulerConfig.tight(ahead=0), sc).steps] == [0] * 4

@@ -3,11 +3,12 @@ import threading
 
 import pytest
 
+from dew.core import RolloutKey, SessionSource, Status, Task
+from dew.objectives.rl.config import SchedulerConfig
 from dew.objectives.rl.scheduler import Publisher, SchedulerRecord
-from dew.objectives.rl.sessions import RolloutKey, SessionSource, Status, Task
 from dew.plan._engine import EngineConfig
 from dew.plan._trace import summarize
-from dew.plan.planner import Policy, Scenario, simulate
+from dew.plan.planner import Scenario, simulate
 from dew.plan.presets import LengthDraws, LengthPreset
 from dew.plan.sim import SimulatedEngineSource, run_scheduler
 
@@ -58,7 +59,7 @@ def test_real_scheduler_on_simulated_engine():
     p = LengthPreset("tiny", math.log(40), 0.3, 0.5, 60)  # some samples reach the cap
     sc = Scenario(p, tasks=4, group=3, T=0.5, steps=4, warmup=1, seed=2)
     records: list[SchedulerRecord] = []
-    trace = run_scheduler(Policy(ahead=1), sc, scale=0.01, log=records.append)
+    trace = run_scheduler(SchedulerConfig.tight(ahead=1), sc, scale=0.01, log=records.append)
     assert [r.updates for r in records] == [0, 1, 2, 3]
     assert [s.samples for s in trace.steps] == [12] * 4
     assert records[0].lag == 0 and all(r.lag <= 1 for r in records)
@@ -68,7 +69,7 @@ def test_real_scheduler_on_simulated_engine():
     assert sum(truncated) > 0  # the seeded draws reach the cap 60 now and then
     assert all(t + c == pytest.approx(1.0) for t, c in zip(truncated, completed, strict=True))
     # Each batch drew exactly its 12 samples once and generated them in full.
-    planned = simulate(Policy(ahead=1), sc)
+    planned = simulate(SchedulerConfig.tight(ahead=1), sc)
     for k in range(4):
         assert sorted(trace.batches[k].drawn) == sorted(planned.batches[k].drawn)
         assert trace.batches[k].generated == pytest.approx(sum(trace.batches[k].drawn))

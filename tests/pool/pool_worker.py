@@ -29,20 +29,21 @@ from typing import Any
 import numpy as np
 import torch
 
+from dew.core import Call, Rollout, RolloutKey, Status, Task, ThreadedSource
 from dew.data import Dataset
 from dew.demo.model import make_model
+from dew.objectives.rl.config import SchedulerConfig
 from dew.objectives.rl.grpo import GRPOObjective
 from dew.objectives.rl.scheduler import RolloutScheduler, SchedulerRecord
-from dew.objectives.rl.sessions import Call, Rollout, RolloutKey, Status, Task, ThreadedSource
 from dew.pool import (
     Pool,
     PoolError,
     agreed_checkpoint,
     all_reduce_gradients,
     assert_synchronized,
-    attach,
     average_gradients,
     init_pool,
+    scheduler_hooks,
 )
 from dew.train import fit
 
@@ -117,12 +118,14 @@ class Checked:
     def __init__(
         self,
         scheduler: RolloutScheduler,
+        engine: Engine,
         objective: GRPOObjective,
         out: dict,
         fail: dict[str, Any] | None,
         out_dir: Path,
     ) -> None:
         self.scheduler = scheduler
+        self.engine = engine  # the publisher behind the pool's agreed pushes
         self.fail = fail
         self.out_dir = out_dir
         self.objective = objective
@@ -132,7 +135,7 @@ class Checked:
         return getattr(self.scheduler, name)
 
     def __call__(self, model: torch.nn.Module, batch: Any, *, updates: int) -> Any:
-        pushes = len(self.scheduler.weights.pushes)
+        pushes = len(self.engine.loads)
         packed = self.scheduler(model, batch, updates=updates)
         fail = self.fail
         if fail and fail["kind"] == "kill_in_step" and updates >= fail["at_version"]:
@@ -146,7 +149,7 @@ class Checked:
         self.out["calls"].append(
             {
                 "updates": updates,
-                "pushed": self.scheduler.weights.pushes[pushes:],
+                "pushed": self.engine.loads[pushes:],
                 "digest": digest(packed),
                 "tasks": [int(t) for t in batch["task_id"]],
                 "trained": list(self.scheduler.last_tasks.get("trained", [])),
@@ -194,20 +197,23 @@ def main(config: dict[str, Any]) -> int:
         def log(record: SchedulerRecord) -> None:
             out["logged"] += 1
 
-        scheduler = RolloutScheduler(
-            objective,
-            source,
-            engine,
-            width=32,
-            rows=config.get("rows", 4),
+        knobs = SchedulerConfig(
             groups=2,
             ahead=1,
             max_lag=1,
             max_attempts=config.get("max_attempts", 3),
             timeout=config.get("rollout_timeout"),
-            log=log,
         )
-        attach(scheduler, pool)
+        scheduler = RolloutScheduler.from_config(
+            objective,
+            source,
+            engine,
+            knobs,
+            width=32,
+            rows=config.get("rows", 4),
+            log=log,
+            hooks=scheduler_hooks(pool),
+        )
         hooks = average_gradients(model, pool)
 
         def check(record: dict[str, Any]) -> None:
@@ -229,7 +235,7 @@ def main(config: dict[str, Any]) -> int:
                 model,
                 optimizer,
                 pool.dataset(dataset),
-                Checked(scheduler, objective, out, source.fail, out_dir),
+                Checked(scheduler, engine, objective, out, source.fail, out_dir),
                 objective,
                 steps=config.get("steps", 3),
                 run_dir=run_dir,
@@ -259,7 +265,7 @@ def main(config: dict[str, Any]) -> int:
                 out["divergence_caught"] = ""
             except PoolError as exc:
                 out["divergence_caught"] = str(exc)
-        out["pushes"] = list(scheduler.weights.pushes)
+        out["pushes"] = list(engine.loads)
         out["engine_loads"] = engine.loads
         out["started"] = source.started
     except Exception as exc:

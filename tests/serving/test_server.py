@@ -8,8 +8,8 @@ import threading
 import pytest
 import torch
 
-from dew.objectives.rl.sessions import Call
-from dew.serving import Aborted, RolloutServer
+from dew.core import Aborted, Call, SamplingParams
+from dew.serving import RolloutServer
 
 from ._helpers import Worker, hf_greedy, lively, prompts
 
@@ -22,7 +22,11 @@ def test_greedy_matches_model_generate(arch: str) -> None:
     lengths = [5, 24, 1, 17, 9, 30, 2, 12, 20, 7]  # requests join and leave at different steps
     with RolloutServer(model, max_batch=4) as server:  # fewer slots than requests
         workers = [
-            Worker(lambda p=p, n=n: server.generate(p, max_tokens=n, temperature=0))
+            Worker(
+                lambda p=p, n=n: server.generate(
+                    p, SamplingParams(max_tokens=n, temperature=0, stop_ids=())
+                )
+            )
             for p, n in zip(batch, lengths, strict=True)
         ]
         calls = [w.join() for w in workers]
@@ -44,7 +48,11 @@ def test_greedy_with_a_stop_id_matches_model_generate_with_eos(qwen: torch.nn.Mo
     stop_id = max(set(seen[0]), key=lambda t: sum(t in s for s in seen))
     with RolloutServer(qwen) as server:
         workers = [
-            Worker(lambda p=p: server.generate(p, max_tokens=30, temperature=0, stop_ids=[stop_id]))
+            Worker(
+                lambda p=p: server.generate(
+                    p, SamplingParams(max_tokens=30, temperature=0, stop_ids=[stop_id])
+                )
+            )
             for p in batch
         ]
         calls = [w.join() for w in workers]
@@ -106,7 +114,14 @@ def test_log_probs_and_support_recomputed(
         workers = [
             Worker(
                 lambda p=p: server.generate(
-                    p, max_tokens=12, temperature=temperature, top_k=top_k, top_p=top_p
+                    p,
+                    SamplingParams(
+                        max_tokens=12,
+                        temperature=temperature,
+                        top_k=top_k,
+                        top_p=top_p,
+                        stop_ids=(),
+                    ),
                 )
             )
             for p in batch
@@ -127,15 +142,36 @@ def test_log_probs_and_support_recomputed(
 
 def test_stop_ids_end_the_completion_and_are_kept(server: RolloutServer) -> None:
     vocab = server.vocab_size
-    call = server.generate([7, 8, 9], max_tokens=50, stop_ids=range(vocab))
+    call = server.generate([7, 8, 9], SamplingParams(max_tokens=50, stop_ids=range(vocab)))
     assert len(call.completion) == 1 and call.finish_reason == "stop"
-    greedy = server.generate([7, 8, 9], max_tokens=6, temperature=0)
+    greedy = server.generate([7, 8, 9], SamplingParams(max_tokens=6, temperature=0, stop_ids=()))
     stop_at = greedy.completion[3]
     first = list(greedy.completion).index(stop_at)
-    call = server.generate([7, 8, 9], max_tokens=6, temperature=0, stop_ids=[stop_at])
+    call = server.generate(
+        [7, 8, 9], SamplingParams(max_tokens=6, temperature=0, stop_ids=[stop_at])
+    )
     assert list(call.completion) == list(greedy.completion[: first + 1])
     assert call.finish_reason == "stop"
-    assert server.generate([7], max_tokens=1).finish_reason == "length"
+    assert server.generate([7], SamplingParams(max_tokens=1, stop_ids=())).finish_reason == "length"
+
+
+def test_stop_ids_none_means_the_model_eos(qwen: torch.nn.Module) -> None:
+    model = lively("qwen2", 1)
+    with RolloutServer(model) as server:
+        greedy = server.generate(
+            [7, 8, 9], SamplingParams(max_tokens=6, temperature=0, stop_ids=())
+        )
+        eos = int(greedy.completion[2])
+    model.config.eos_token_id = eos  # the served model's end-of-sequence id
+    model.generation_config.eos_token_id = eos
+    with RolloutServer(model) as server:
+        assert server.eos_token_ids == (eos,)
+        call = server.generate([7, 8, 9], SamplingParams(max_tokens=6, temperature=0))
+        first = list(greedy.completion).index(eos)
+        assert list(call.completion) == list(greedy.completion[: first + 1])
+        assert call.finish_reason == "stop"
+        never = server.generate([7, 8, 9], SamplingParams(max_tokens=6, temperature=0, stop_ids=()))
+        assert list(never.completion) == list(greedy.completion)
 
 
 def test_properties_and_versions(qwen: torch.nn.Module) -> None:
@@ -144,10 +180,10 @@ def test_properties_and_versions(qwen: torch.nn.Module) -> None:
         assert server.vocab_size == qwen.config.vocab_size
         assert server.max_len == qwen.config.max_position_embeddings
         assert server.eos_token_ids == (qwen.config.eos_token_id,)
-        assert server.generate([5, 6], max_tokens=2).version == 7
+        assert server.generate([5, 6], SamplingParams(max_tokens=2, stop_ids=())).version == 7
         server.load(qwen, 9)
         assert server.version == 9
-        assert server.generate([5, 6], max_tokens=2).version == 9
+        assert server.generate([5, 6], SamplingParams(max_tokens=2, stop_ids=())).version == 9
         server.load(qwen.state_dict(), 10)
         assert server.version == 10
 
@@ -155,12 +191,19 @@ def test_properties_and_versions(qwen: torch.nn.Module) -> None:
 def test_the_server_owns_a_copy(qwen: torch.nn.Module) -> None:
     model = lively("qwen2", 4)
     with RolloutServer(model) as server:
-        before = server.generate([9, 10, 11], max_tokens=8, temperature=0).completion
+        before = server.generate(
+            [9, 10, 11], SamplingParams(max_tokens=8, temperature=0, stop_ids=())
+        ).completion
         with torch.no_grad():
             for p in model.parameters():
                 p.add_(torch.randn_like(p))
         assert hf_greedy(model, [9, 10, 11], 8) != before  # the caller's model did change
-        assert server.generate([9, 10, 11], max_tokens=8, temperature=0).completion == before
+        assert (
+            server.generate(
+                [9, 10, 11], SamplingParams(max_tokens=8, temperature=0, stop_ids=())
+            ).completion
+            == before
+        )
 
 
 BAD = [
@@ -177,19 +220,25 @@ BAD = [
     ({"top_p": 1.5}, "top_p"),
     ({"top_k": 0}, "top_k"),
     ({"stop_ids": [10_000]}, "stop_ids"),
+    ({"stop_ids": [-2]}, "stop_ids"),
+    ({"stop_ids": "ab"}, "stop_ids"),
+    ({"max_tokens": True}, "max_tokens must be an int"),
 ]
 
 
 @pytest.mark.timeout(120)
 def test_bad_input_raises_value_error_while_others_are_served(server: RolloutServer) -> None:
     stop = threading.Event()
-    running = Worker(lambda: server.generate([5] * 4, max_tokens=900, stop=stop))
+    running = Worker(
+        lambda: server.generate([5] * 4, SamplingParams(max_tokens=900, stop_ids=()), stop=stop)
+    )
     for change, message in BAD:
         kwargs = {"prompt": [3, 4], "max_tokens": 4, **change}
         prompt = kwargs.pop("prompt")
+        # The sampling checks run where SamplingParams is built, the model's at submit.
         with pytest.raises(ValueError, match=message):
-            server.generate(prompt, **kwargs)  # type: ignore[arg-type]
-    assert len(server.generate([3, 4], max_tokens=4).completion) == 4
+            server.generate(prompt, SamplingParams(**kwargs))  # type: ignore[arg-type]
+    assert len(server.generate([3, 4], SamplingParams(max_tokens=4, stop_ids=())).completion) == 4
     assert not running.done.is_set()
     stop.set()
     running.join()
@@ -216,7 +265,7 @@ def test_bad_construction_and_load(qwen: torch.nn.Module) -> None:
         with pytest.raises(ValueError, match=r"nn\.Module or a mapping"):
             server.load([1, 2], 1)  # type: ignore[arg-type]
         assert server.version == 0
-        assert len(server.generate([3], max_tokens=3).completion) == 3
+        assert len(server.generate([3], SamplingParams(max_tokens=3, stop_ids=())).completion) == 3
 
 
 def test_tied_weights_may_be_given_once() -> None:
@@ -225,7 +274,7 @@ def test_tied_weights_may_be_given_once() -> None:
     state = {k: v for k, v in b.state_dict().items() if k != "lm_head.weight"}
     with RolloutServer(a) as server:
         server.load(state, 1)
-        call = server.generate([4, 5, 6], max_tokens=10, temperature=0)
+        call = server.generate([4, 5, 6], SamplingParams(max_tokens=10, temperature=0, stop_ids=()))
     assert list(call.completion) == hf_greedy(b, [4, 5, 6], 10)
 
 

@@ -8,8 +8,8 @@ import threading
 import pytest
 import torch
 
-from dew.objectives.rl.sessions import Call
-from dew.serving import Aborted, RolloutServer
+from dew.core import Aborted, Call, Engine, SamplingParams
+from dew.serving import RolloutServer
 
 from ._helpers import WAIT, Worker, hf_greedy, lively, prompts, wait_until
 
@@ -24,7 +24,11 @@ def test_many_threads_share_batches(server: RolloutServer) -> None:
         {"top_p": 0.6, "temperature": 0.5},
     ]
     workers = [
-        Worker(lambda i=i, p=p: server.generate(p, max_tokens=3 + i % 11, **settings[i % 4]))
+        Worker(
+            lambda i=i, p=p: server.generate(
+                p, SamplingParams(max_tokens=3 + i % 11, stop_ids=(), **settings[i % 4])
+            )
+        )
         for i, p in enumerate(batch)
     ]
     calls = [w.join() for w in workers]
@@ -41,9 +45,16 @@ def test_many_threads_share_batches(server: RolloutServer) -> None:
 @pytest.mark.timeout(120)
 def test_short_request_is_not_held_behind_long_ones(server: RolloutServer) -> None:
     stops = [threading.Event() for _ in range(4)]
-    longs = [Worker(lambda s=s: server.generate([6, 7, 8], max_tokens=1000, stop=s)) for s in stops]
+    longs = [
+        Worker(
+            lambda s=s: server.generate(
+                [6, 7, 8], SamplingParams(max_tokens=1000, stop_ids=()), stop=s
+            )
+        )
+        for s in stops
+    ]
     wait_until(lambda: server.stats()["active"] == 4, "the long requests to decode")
-    short = server.generate([9, 10], max_tokens=3)
+    short = server.generate([9, 10], SamplingParams(max_tokens=3, stop_ids=()))
     assert len(short.completion) == 3
     # The long ones (1000 tokens each) are still running: the short one joined their batch.
     assert server.stats()["active"] == 4 and not any(w.done.is_set() for w in longs)
@@ -58,9 +69,13 @@ def test_short_request_is_not_held_behind_long_ones(server: RolloutServer) -> No
 def test_stop_aborts_within_one_iteration_and_frees_the_slot(qwen: torch.nn.Module) -> None:
     with RolloutServer(qwen, max_batch=1) as server:
         stop = threading.Event()
-        victim = Worker(lambda: server.generate([5, 6], max_tokens=1000, stop=stop))
+        victim = Worker(
+            lambda: server.generate([5, 6], SamplingParams(max_tokens=1000, stop_ids=()), stop=stop)
+        )
         wait_until(lambda: server.stats()["active"] == 1, "the request to decode")
-        waiting = Worker(lambda: server.generate([7], max_tokens=5))  # needs the only slot
+        waiting = Worker(
+            lambda: server.generate([7], SamplingParams(max_tokens=5, stop_ids=()))
+        )  # needs the only slot
         wait_until(lambda: server.stats()["pending"] == 1, "the second request to queue")
         seen = server.stats()["iterations"]
         stop.set()
@@ -72,7 +87,7 @@ def test_stop_aborts_within_one_iteration_and_frees_the_slot(qwen: torch.nn.Modu
         assert isinstance(waiting.result, Call) and len(waiting.result.completion) == 5
         # A stop already set fails fast without reaching the engine.
         with pytest.raises(Aborted) as info:
-            server.generate([5], max_tokens=3, stop=stop)
+            server.generate([5], SamplingParams(max_tokens=3, stop_ids=()), stop=stop)
         assert info.value.iteration == -1
 
 
@@ -89,7 +104,11 @@ def test_thousands_of_aborts_leave_no_trace(qwen: torch.nn.Module) -> None:
                 stop = threading.Event()
                 stops.put(stop)
                 try:
-                    server.generate([6 + (seed + i) % 50] * (1 + i % 5), max_tokens=500, stop=stop)
+                    server.generate(
+                        [6 + (seed + i) % 50] * (1 + i % 5),
+                        SamplingParams(max_tokens=500, stop_ids=()),
+                        stop=stop,
+                    )
                     kind = "finished"
                 except Aborted as exc:
                     kind = "engine" if exc.iteration >= 0 else "early"
@@ -118,7 +137,9 @@ def test_thousands_of_aborts_leave_no_trace(qwen: torch.nn.Module) -> None:
         stats = server.stats()
         assert (stats["pending"], stats["active"], stats["loads"]) == (0, 0, 0)
         assert server._active == [] and not server._pending  # the tables themselves
-        call = server.generate([5, 6, 7], max_tokens=4, temperature=0)  # still serving
+        call = server.generate(
+            [5, 6, 7], SamplingParams(max_tokens=4, temperature=0, stop_ids=())
+        )  # still serving
         assert list(call.completion) == hf_greedy(qwen, [5, 6, 7], 4)
 
 
@@ -127,15 +148,23 @@ def test_load_mid_request_switches_weights_and_keeps_the_oldest_version() -> Non
     old, new = lively("qwen2", 10), lively("qwen2", 11)
     prompt, n = [12, 13, 14, 15], 150
     with RolloutServer(old, version=3, max_batch=4) as server:
-        beside = Worker(lambda: server.generate([20, 21], max_tokens=300, temperature=1.0))
-        running = Worker(lambda: server.generate(prompt, max_tokens=n, temperature=0))
+        beside = Worker(
+            lambda: server.generate(
+                [20, 21], SamplingParams(max_tokens=300, temperature=1.0, stop_ids=())
+            )
+        )
+        running = Worker(
+            lambda: server.generate(
+                prompt, SamplingParams(max_tokens=n, temperature=0, stop_ids=())
+            )
+        )
         wait_until(lambda: server.stats()["active"] == 2, "both requests to decode")
         server.load(new, 4)  # returns once the new weights are in place
         assert server.version == 4
         # The push lands at the next iteration, with ~150 tokens of the request to go.
         call = running.join()
         other = beside.join()
-        after = server.generate(prompt, max_tokens=3, temperature=0)
+        after = server.generate(prompt, SamplingParams(max_tokens=3, temperature=0, stop_ids=()))
     assert isinstance(call, Call) and isinstance(other, Call)
     assert call.version == 3 and other.version == 3  # the oldest version that served them
     assert after.version == 4
@@ -156,9 +185,9 @@ def test_load_mid_request_switches_weights_and_keeps_the_oldest_version() -> Non
 @pytest.mark.timeout(120)
 def test_close_fails_pending_requests_clearly(qwen: torch.nn.Module) -> None:
     server = RolloutServer(qwen, max_batch=1)
-    active = Worker(lambda: server.generate([5], max_tokens=1000))
+    active = Worker(lambda: server.generate([5], SamplingParams(max_tokens=1000, stop_ids=())))
     wait_until(lambda: server.stats()["active"] == 1, "the first request to decode")
-    pending = Worker(lambda: server.generate([6], max_tokens=3))
+    pending = Worker(lambda: server.generate([6], SamplingParams(max_tokens=3, stop_ids=())))
     wait_until(lambda: server.stats()["pending"] == 1, "the second request to queue")
     server.close()
     assert not server._thread.is_alive()
@@ -166,7 +195,7 @@ def test_close_fails_pending_requests_clearly(qwen: torch.nn.Module) -> None:
         w.join()
         assert isinstance(w.error, RuntimeError) and "closed" in str(w.error)
     with pytest.raises(RuntimeError, match="closed"):
-        server.generate([5], max_tokens=1)
+        server.generate([5], SamplingParams(max_tokens=1, stop_ids=()))
     with pytest.raises(RuntimeError, match="closed"):
         server.load(qwen, 1)
     server.close()  # idempotent
@@ -178,10 +207,12 @@ def test_a_failing_step_fails_its_requests_and_the_engine_goes_on(qwen: torch.nn
         broken = {k: torch.full_like(v, float("nan")) for k, v in qwen.state_dict().items()}
         server.load(broken, 1)
         with pytest.raises(RuntimeError, match="model step failed"):
-            server.generate([5, 6], max_tokens=4)  # sampling from NaN logits raises
+            server.generate(
+                [5, 6], SamplingParams(max_tokens=4, stop_ids=())
+            )  # sampling from NaN logits raises
         assert server.stats()["active"] == 0
         server.load(qwen, 2)
-        call = server.generate([5, 6], max_tokens=4, temperature=0)
+        call = server.generate([5, 6], SamplingParams(max_tokens=4, temperature=0, stop_ids=()))
         assert list(call.completion) == hf_greedy(qwen, [5, 6], 4) and call.version == 2
 
 
@@ -194,14 +225,16 @@ def test_submit_returns_futures_that_resolve_on_the_engine_thread(server: Rollou
         seen.put(threading.current_thread().name)
 
     # One thread submits everything; no thread waits on any single request.
-    futures = [server.submit(p, max_tokens=4, temperature=0) for p in batch]
+    futures = [
+        server.submit(p, SamplingParams(max_tokens=4, temperature=0, stop_ids=())) for p in batch
+    ]
     for f in futures:
         f.add_done_callback(note)
     calls = [f.result(timeout=WAIT) for f in futures]
     for p, call in zip(batch, calls, strict=True):
         assert list(call.prompt) == p and len(call.completion) == 4
     # Greedy: the same tokens the blocking call and the model itself give.
-    again = server.generate(batch[0], max_tokens=4, temperature=0)
+    again = server.generate(batch[0], SamplingParams(max_tokens=4, temperature=0, stop_ids=()))
     assert list(calls[0].completion) == list(again.completion)
     assert list(calls[5].completion) == hf_greedy(server._model, batch[5], 4)
     names = {seen.get(timeout=WAIT) for _ in batch}
@@ -214,17 +247,36 @@ def test_submit_returns_futures_that_resolve_on_the_engine_thread(server: Rollou
 @pytest.mark.timeout(120)
 def test_submit_future_is_stopped_by_its_event_not_by_cancel(server: RolloutServer) -> None:
     stop = threading.Event()
-    future = server.submit([5, 6], max_tokens=1000, stop=stop)
+    future = server.submit([5, 6], SamplingParams(max_tokens=1000, stop_ids=()), stop=stop)
     wait_until(lambda: server.stats()["active"] == 1, "the request to decode")
     assert not future.cancel() and not future.done()  # running: only stop aborts it
     stop.set()
     error = future.exception(timeout=WAIT)
     assert isinstance(error, Aborted) and error.tokens < 1000
     assert server.stats()["active"] == 0
-    already = server.submit([5], max_tokens=3, stop=stop)  # stop set: fails at once
+    already = server.submit(
+        [5], SamplingParams(max_tokens=3, stop_ids=()), stop=stop
+    )  # stop set: fails at once
     assert isinstance(already.exception(timeout=0), Aborted)
     with pytest.raises(ValueError, match="max_tokens"):
-        server.submit([5], max_tokens=0)
+        server.submit([5], SamplingParams(max_tokens=0, stop_ids=()))
+
+
+@pytest.mark.timeout(120)
+def test_abort_drops_that_request_only(server: RolloutServer) -> None:
+    assert isinstance(server, Engine)
+    shared = threading.Event()  # one stop event for two requests, as a multi-turn session has
+    victim = server.submit([5, 6], SamplingParams(max_tokens=1000, stop_ids=()), stop=shared)
+    other = server.submit([7, 8], SamplingParams(max_tokens=40, stop_ids=()), stop=shared)
+    wait_until(lambda: server.stats()["active"] == 2, "both requests to decode")
+    server.abort(victim)
+    error = victim.exception(timeout=WAIT)
+    assert isinstance(error, Aborted) and error.tokens < 1000 and error.iteration > 0
+    call = other.result(timeout=WAIT)  # the event it shares was never set
+    assert len(call.completion) == 40 and not shared.is_set()
+    server.abort(victim)  # idempotent, and a no-op once resolved
+    server.abort(other)
+    assert server.stats()["active"] == 0
 
 
 @pytest.mark.timeout(120)
@@ -234,7 +286,7 @@ def test_blocking_calls_from_a_done_callback_are_refused(qwen: torch.nn.Module) 
 
         def chain(_: object) -> None:
             for blocking in (
-                lambda: server.generate([7], max_tokens=2),
+                lambda: server.generate([7], SamplingParams(max_tokens=2, stop_ids=())),
                 lambda: server.load(qwen, 9),
             ):
                 try:
@@ -242,12 +294,16 @@ def test_blocking_calls_from_a_done_callback_are_refused(qwen: torch.nn.Module) 
                 except RuntimeError as exc:
                     outcomes.put(exc)
             # submit only queues, so it is fine there.
-            server.submit([7], max_tokens=2).add_done_callback(lambda f: outcomes.put(f.result()))
+            server.submit([7], SamplingParams(max_tokens=2, stop_ids=())).add_done_callback(
+                lambda f: outcomes.put(f.result())
+            )
 
         hold = threading.Event()
-        holder = server.submit([5, 6], max_tokens=1000, stop=hold)  # takes the only slot
+        holder = server.submit(
+            [5, 6], SamplingParams(max_tokens=1000, stop_ids=()), stop=hold
+        )  # takes the only slot
         wait_until(lambda: server.stats()["active"] == 1, "the holder to decode")
-        target = server.submit([8], max_tokens=3)
+        target = server.submit([8], SamplingParams(max_tokens=3, stop_ids=()))
         target.add_done_callback(chain)  # attached while it waits: runs on the engine
         hold.set()
         assert isinstance(holder.exception(timeout=WAIT), Aborted)

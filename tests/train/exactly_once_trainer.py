@@ -15,11 +15,11 @@ from typing import Any
 import numpy as np
 import torch
 
+from dew.core import Call, Rollout, RolloutKey, Status, Task, ThreadedSource
 from dew.data import Dataset
 from dew.demo.model import make_model
 from dew.objectives.rl.grpo import GRPOObjective
 from dew.objectives.rl.scheduler import RolloutScheduler
-from dew.objectives.rl.sessions import Call, Rollout, RolloutKey, Status, Task, ThreadedSource
 from dew.train import fit
 
 ROWS, BATCH, GROUPS = 96, 3, 2

@@ -210,7 +210,9 @@ def test_records_are_json_lines(tmp_path: Path) -> None:
     assert [json.loads(line)["step"] for line in lines] == [1, 2]
 
 
-def test_fit_freezes_the_heap_after_ten_steps_and_unfreezes_it(tmp_path: Path) -> None:
+def test_fit_freezes_the_heap_after_ten_steps_when_asked_and_unfreezes_it(
+    tmp_path: Path,
+) -> None:
     import gc
 
     seen: list[int] = []
@@ -230,6 +232,7 @@ def test_fit_freezes_the_heap_after_ten_steps_and_unfreezes_it(tmp_path: Path) -
             GRPOObjective(),
             steps=12,
             log=[lambda rec: seen.append(gc.get_freeze_count())],
+            freeze_gc=True,
         )
 
     assert gc.get_freeze_count() == 0
@@ -242,3 +245,49 @@ def test_fit_freezes_the_heap_after_ten_steps_and_unfreezes_it(tmp_path: Path) -
         train(failing)
     assert len(seen) == 11 and seen[-1] > 0  # it was frozen when step 12 failed
     assert gc.get_freeze_count() == 0  # and undone on the way out
+
+
+def test_fit_leaves_the_collector_alone_by_default(tmp_path: Path) -> None:
+    import gc
+
+    seen: list[int] = []
+    run(None, 12, log=[lambda rec: seen.append(gc.get_freeze_count())])
+    assert seen == [0] * 12
+    with pytest.raises(ValueError, match="freeze_gc='yes' must be True or False"):
+        run(None, 1, freeze_gc="yes")
+
+
+class HistoryRollout:
+    """A plain rollout that keeps scheduler records, as the scheduler does."""
+
+    def __init__(self) -> None:
+        from dew.objectives.rl.scheduler import SchedulerRecord
+
+        self.records: list[SchedulerRecord] = []
+        self.restored: list[list[SchedulerRecord]] = []
+        self.make = SchedulerRecord
+
+    @property
+    def history(self) -> tuple[Any, ...]:
+        return tuple(self.records)
+
+    def restore_history(self, records: Any) -> None:
+        self.restored.append(list(records))
+        self.records[:] = records
+
+    def __call__(self, model: Any, batch: Batch, *, updates: int) -> Batch:
+        self.records.append(self.make(updates, updates, 0, 1, {"stale": updates}, 0, 0, 0, 0.0, {}))
+        return rollout(model, batch, updates=updates)
+
+
+def test_resume_restores_the_rollouts_history_through_its_method(tmp_path: Path) -> None:
+    first = HistoryRollout()
+    model, opt = parts()
+    fit(model, opt, dataset(), first, GRPOObjective(), steps=2, run_dir=tmp_path)
+    again = HistoryRollout()
+    model, opt = parts()
+    fit(model, opt, dataset(), again, GRPOObjective(), steps=3, run_dir=tmp_path, resume=True)
+    assert again.restored == [first.records]  # rebuilt from the checkpoint's records
+    assert [r.updates for r in again.history] == [0, 1, 2]
+    records = read_records(tmp_path)
+    assert [r["scheduler"]["resubmitted"] for r in records] == [{"stale": u} for u in range(3)]

@@ -36,14 +36,9 @@ from typing import Any
 
 import numpy as np
 
+from dew.core import Call, SamplingParams, Task
 from dew.demo.agent_script import next_digit, solve
-from dew.objectives.rl.sessions import Call, Task
-from dew.objectives.rl.sources.gateway import (
-    HarnessEndpoint,
-    HarnessOutcome,
-    HarnessSource,
-    RecordingGateway,
-)
+from dew.gateway import HarnessEndpoint, HarnessOutcome, HarnessSource, RecordingGateway
 
 __all__ = [
     "AgentDemo",
@@ -156,10 +151,9 @@ def build_agent_source(
     gateway = RecordingGateway(
         server,
         tokenizer,
-        max_tokens_per_call=max_tokens,
         max_turns=2 * TURNS,
         max_tokens_per_session=2 * TURNS * max_tokens,
-        temperature=temperature,
+        sampling=SamplingParams(max_tokens=max_tokens, temperature=temperature),
         workers=max(4, 2 * workers),
     ).start()
     try:

@@ -22,7 +22,7 @@ import random
 import time
 from collections.abc import Callable, Mapping
 
-from dew.objectives.rl.sessions import Task
+from dew.core import Task
 from dew.objectives.rl.sources.environment import AgentError
 
 __all__ = ["GuessEnv", "make_env", "target_of"]

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from dew._checkpoint import step_of
 from dew.train import FitResult, latest_checkpoint, read_records
 
 if TYPE_CHECKING:
@@ -144,14 +145,14 @@ def _workers(config: DemoConfig) -> int:
     return config.batch_size * config.group_size * (config.ahead + 1)
 
 
-# PromptSource on a RolloutServer submits without a thread per rollout; its pool only
-# runs verifiers. Two threads keep up with the demo's verifier, and more cost time: on
-# bench/vs_trl.py's task a pool of 256 ran about 70 ms per step against 58 ms with 2,
-# as each burst of finished calls woke many threads.
+# PromptSource submits without a thread per rollout; its pool only runs verifiers. Two
+# threads keep up with the demo's verifier, and a large pool costs time, as each burst
+# of finished calls wakes many threads (compare with bench/vs_trl.py).
 _VERIFIERS = 2
 
 
 def _single(config: DemoConfig, server: Any, tokenizer: Any) -> TaskParts:
+    from dew.core import SamplingParams
     from dew.demo import tasks
     from dew.objectives.rl.sources import PromptSource
 
@@ -168,15 +169,16 @@ def _single(config: DemoConfig, server: Any, tokenizer: Any) -> TaskParts:
         server,
         task.prompts,
         task.verifier,
-        max_tokens=config.max_tokens,
-        temperature=config.temperature,
-        stop_ids=[task.eos],
         workers=_VERIFIERS,
+        sampling=SamplingParams(
+            max_tokens=config.max_tokens, temperature=config.temperature, stop_ids=[task.eos]
+        ),
     )
     return TaskParts(source, task.max_prompt + config.max_tokens, source.close)
 
 
 def _guess(config: DemoConfig, server: Any, tokenizer: Any) -> TaskParts:
+    from dew.core import SamplingParams
     from dew.demo.guess import make_env
     from dew.objectives.rl.sources import EnvironmentSource
 
@@ -187,9 +189,8 @@ def _guess(config: DemoConfig, server: Any, tokenizer: Any) -> TaskParts:
         tokenizer=tokenizer,
         max_turns=turns,
         max_context=context,
-        max_tokens=config.max_tokens,
-        temperature=config.temperature,
         workers=_workers(config),
+        sampling=SamplingParams(max_tokens=config.max_tokens, temperature=config.temperature),
     )
     return TaskParts(source, context, source.close)
 
@@ -261,8 +262,8 @@ def _join_pool(stack: ExitStack) -> Any:
 def _share_cores(torch: Any) -> None:
     """Give torch half the cores: the engine thread and the trainer compute at once.
 
-    On a laptop CPU two threads each asking for every core slow each other down (on 2
-    cores, 60 demo steps with set-up took 8.9 s at two threads each, 7.7 s at one).
+    With two threads each asking for every core, they slow each other down (time the
+    demo with ``OMP_NUM_THREADS`` set either way to see it on a given machine).
     A thread count set from outside (``OMP_NUM_THREADS``, which torchrun sets for its
     workers) is left alone.
     """
@@ -426,7 +427,7 @@ def run_demo(
         else:
             resume_from = resume is not None
         saved = latest_checkpoint(own) if resume_from else None
-        done = 0 if saved is None else int(saved.name.split("-")[1])
+        done = 0 if saved is None else step_of(saved) or 0
         if progress and lead:
             update, bar = _progress(config.steps, done)
             stack.callback(bar.close)
@@ -443,6 +444,7 @@ def run_demo(
             resume=resume_from,
             log=log,
             config=dataclasses.asdict(config),
+            freeze_gc=True,  # a long-lived process with a large set-up heap: see fit's doc
         )
         if pool is not None:
             from dew.pool import assert_synchronized

@@ -31,7 +31,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from dew.objectives.rl.sessions import Call, Task
+from dew.core import Call, Task
 
 __all__ = ["DigitTask", "make_prompts", "make_task", "score"]
 

@@ -18,23 +18,26 @@ import sys
 import time
 from collections.abc import Sequence
 
+from dew.objectives.rl.config import SchedulerConfig
 from dew.plan._engine import EngineConfig
-from dew.plan.planner import Policy, Scenario, generation_time, plan
+from dew.plan.planner import Scenario, generation_time, plan
 from dew.plan.presets import PRESETS, preset
 
 __all__ = ["default_policies", "main", "parse_policy"]
 
 
-def default_policies(tasks: int, group: int) -> list[Policy]:
+def default_policies(tasks: int, group: int) -> list[SchedulerConfig]:
+    """The compared policies, each with the tightest ``max_lag`` its knobs allow."""
     quarter = max(group // 4, 1)
+    tight = SchedulerConfig.tight
     return [
-        Policy(0),
-        Policy(1),
-        Policy(2),
-        Policy(1, oversample=quarter),
-        Policy(1, oversample=group),
-        Policy(1, admit=max(tasks * 3 // 4, 1)),
-        Policy(2, oversample=quarter),
+        tight(ahead=0),
+        tight(ahead=1),
+        tight(ahead=2),
+        tight(ahead=1, oversample=quarter),
+        tight(ahead=1, oversample=group),
+        tight(ahead=1, admit=max(tasks * 3 // 4, 1)),
+        tight(ahead=2, oversample=quarter),
     ]
 
 
@@ -47,8 +50,13 @@ def _count(text: str, of: int, name: str) -> int:
         raise ValueError(f"policy {name}={text!r}: expected an int or a percentage") from None
 
 
-def parse_policy(text: str, tasks: int, group: int) -> Policy:
-    """``ahead[,os=N|N%][,admit=N|N%][,lag=N]`` as a :class:`Policy`."""
+def parse_policy(text: str, tasks: int, group: int) -> SchedulerConfig:
+    """``ahead[,os=N|N%][,admit=N|N%][,lag=N]`` as a scheduler config.
+
+    Without ``lag``, ``max_lag`` is the smallest the other knobs allow
+    (:meth:`SchedulerConfig.tight`). ``groups`` is left at its default: the scenario's
+    group replaces it when the policy is planned.
+    """
     head, *opts = [p.strip() for p in text.split(",")]
     try:
         kw: dict[str, int | None] = {"ahead": int(head)}
@@ -64,7 +72,9 @@ def parse_policy(text: str, tasks: int, group: int) -> Policy:
             kw["max_lag"] = _count(value, 1, "lag")
         else:
             raise ValueError(f"policy {text!r}: unknown option {key!r} (os, admit, lag)")
-    return Policy(**kw)  # type: ignore[arg-type]
+    if "max_lag" in kw:
+        return SchedulerConfig(**kw)  # type: ignore[arg-type]
+    return SchedulerConfig.tight(**kw)
 
 
 def _seconds(text: str, gen: float) -> float:

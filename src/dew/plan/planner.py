@@ -1,18 +1,29 @@
 """Event-driven prediction of a scheduling policy's throughput against the limit.
 
+A policy is a :class:`~dew.objectives.rl.config.SchedulerConfig`, the very value a
+``RolloutScheduler`` runs with (``SchedulerConfig.tight(ahead=1)`` for the tightest
+staleness bound the other knobs allow). The scenario describes the workload; its
+``group`` (samples per task) is authoritative: the planner, like
+:func:`dew.plan.sim.run_scheduler`, runs the config with ``groups`` replaced by
+``scenario.group`` (see :func:`policy_for`), so one policy list serves every batch
+shape.
+
 The model has three parts and no threads or clock: simulated time jumps from one
 event (a completion, a trainer step ending) to the next.
 
 * The engine: :class:`dew.plan._engine.EngineModel`, one continuous-batching engine
   whose iteration takes ``a + b * active`` seconds, FIFO queue, ``max_active`` slots.
 * The policy: the scheduler's own admission state machine
-  (:class:`dew.objectives.rl._admission.Admission`), fed the same events the real
+  (:class:`dew.objectives.rl.admission.Admission`), fed the same events the real
   driver feeds it. The plan therefore follows every rule the scheduler follows
-  (groups, oversampling, admit, staleness); what it leaves out is the cost of
-  running them — threads, packing, Python — which is what the benchmark measures.
+  (groups, oversampling, admit, staleness, ``sync_every``); what it leaves out is the
+  cost of running them (threads, packing, Python), which is what the benchmark
+  measures. The simulated engine never fails, so ``max_attempts`` never comes into
+  play, and rollout timeouts are not modelled: a config with a ``timeout`` is refused.
 * The trainer: step ``k`` registers batches up to ``k + ahead`` (the prefetch),
-  pushes weights version ``k``, hands over batch ``k``, waits until it can be
-  consumed, then trains for ``T`` seconds.
+  pushes weights version ``k`` when the served version is ``sync_every`` behind,
+  hands over batch ``k``, waits until it can be consumed, then trains for ``T``
+  seconds.
 
 Task ``i`` of batch ``k`` is task id ``k * tasks + i``; lengths come from
 :class:`dew.plan.presets.LengthDraws`, so the simulated-engine run with the same seed
@@ -27,6 +38,7 @@ are compared in admitted samples per second beside their length bias.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -34,60 +46,27 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from dew._collector import paused
-from dew.objectives.rl._admission import Admission, Cancel, Consumed, Start
-from dew.objectives.rl.sessions import Call, RolloutKey, Status, Task, _rollout_unchecked
+from dew.core import Call, RolloutKey, Status, Task
+from dew.core.types import simulated_rollout
+from dew.objectives.rl.admission import Admission, Cancel, Consumed, Start
+from dew.objectives.rl.config import SchedulerConfig
 from dew.plan._engine import EngineConfig, EngineModel
 from dew.plan._trace import BatchLedger, Figures, StepTrace, Trace, summarize
 from dew.plan.presets import LengthDraws, LengthPreset, preset
 
 __all__ = [
     "Figures",
-    "Policy",
     "Scenario",
     "generation_time",
     "limit_steps",
     "plan",
+    "policy_for",
     "simulate",
 ]
 
 _PROMPT = np.zeros(1, dtype=np.int64)  # the model needs one prompt token, not a real one
 _ONE = np.zeros(1, dtype=np.int64)
 _ONE_LP = np.zeros(1, dtype=np.float64)
-
-
-@dataclass(frozen=True)
-class Policy:
-    """Scheduler settings that shape throughput: ``RolloutScheduler``'s arguments."""
-
-    ahead: int = 1
-    oversample: int = 0  # extra samples per group
-    admit: int | None = None  # groups admitted per batch (None: all)
-    max_lag: int | None = None  # None: the smallest allowed, ``ahead``
-
-    def __post_init__(self) -> None:
-        if self.ahead < 0:
-            raise ValueError(f"ahead={self.ahead}: must be >= 0")
-        if self.oversample < 0:
-            raise ValueError(f"oversample={self.oversample}: must be >= 0")
-        if self.admit is not None and self.admit < 1:
-            raise ValueError(f"admit={self.admit}: must be None or >= 1")
-        if self.max_lag is not None and self.max_lag < self.ahead:
-            raise ValueError(f"max_lag={self.max_lag}: must be >= ahead={self.ahead}")
-
-    @property
-    def lag(self) -> int:
-        return self.ahead if self.max_lag is None else self.max_lag
-
-    @property
-    def name(self) -> str:
-        parts = ["sync" if self.ahead == 0 else f"ahead {self.ahead}"]
-        if self.oversample:
-            parts.append(f"oversample {self.oversample}")
-        if self.admit is not None:
-            parts.append(f"admit {self.admit}")
-        if self.max_lag is not None and self.max_lag != self.ahead:
-            parts.append(f"max_lag {self.max_lag}")
-        return " + ".join(parts)
 
 
 @dataclass(frozen=True)
@@ -143,20 +122,27 @@ def limit_steps(scenario: Scenario, draws: LengthDraws) -> list[float]:
     ]
 
 
+def policy_for(config: SchedulerConfig, scenario: Scenario) -> SchedulerConfig:
+    """``config`` with ``groups`` set to the scenario's group: the knobs a run uses."""
+    if not isinstance(config, SchedulerConfig):
+        raise TypeError(f"policy: expected a SchedulerConfig, got {type(config).__name__}")
+    if config.groups == scenario.group:
+        return config
+    return dataclasses.replace(config, groups=scenario.group)
+
+
 class _Run:
     """One planned run: the admission state machine driven by the engine model."""
 
-    def __init__(self, policy: Policy, sc: Scenario) -> None:
+    def __init__(self, policy: SchedulerConfig, sc: Scenario) -> None:
+        if policy.timeout is not None:
+            raise ValueError(
+                f"timeout={policy.timeout!r}: the planner does not model rollout timeouts"
+            )
         self.sc = sc
-        self.adm = Admission(
-            groups=sc.group,
-            oversample=policy.oversample,
-            admit=policy.admit,
-            max_lag=policy.lag,
-            ahead=policy.ahead,
-            truncation="mask",
-        )
-        self.ahead = policy.ahead
+        self.config = policy_for(policy, sc)
+        self.adm = Admission(self.config)
+        self.served: int | None = None
         self.engine = EngineModel(sc.engine)
         self.draws = sc.draws()
         # key -> (task, task id, length, truncated) of every started attempt
@@ -197,7 +183,7 @@ class _Run:
             call = self._calls[(version, truncated)] = Call(
                 _PROMPT, _ONE, _ONE_LP, version, finish_reason=reason
             )
-        rollout = _rollout_unchecked(
+        rollout = simulated_rollout(
             key,
             task,
             Status.TRUNCATED if truncated else Status.COMPLETED,
@@ -226,9 +212,10 @@ class _Run:
     def step(self, k: int) -> StepTrace:
         engine, adm = self.engine, self.adm
         call = engine.now
-        self.register_until(k + self.ahead + 1)  # what the trainer's prefetch has read
-        engine.served = k
-        adm.pushed(k)
+        self.register_until(k + self.config.ahead + 1)  # what the trainer's prefetch read
+        if self.served is None or k - self.served >= self.config.sync_every:
+            engine.served = self.served = k
+            adm.pushed(k)
         self.execute(adm.call(k, call))
         consumed: list[Consumed | None] = [None]
 
@@ -270,11 +257,12 @@ class _Run:
         )
 
 
-def simulate(policy: Policy, scenario: Scenario) -> Trace:
+def simulate(policy: SchedulerConfig, scenario: Scenario) -> Trace:
     """The planned run's trace, step by step (simulated seconds)."""
     # A plan allocates a few objects per simulated rollout, nearly all freed by reference
-    # counting; collector passes over them took about a quarter of a 128 x 16 plan. The
-    # run is dropped before the collector is back, so its first pass does not walk it.
+    # counting; collector passes over them were a large share of a plan's time
+    # (bench/RESULTS.md, "garbage collector"). The run is dropped before the collector
+    # is back, so its first pass does not walk it.
     with paused():
         run = _Run(policy, scenario)
         steps = [run.step(k) for k in range(scenario.steps)]
@@ -290,6 +278,6 @@ def simulate(policy: Policy, scenario: Scenario) -> Trace:
     return trace
 
 
-def plan(policy: Policy, scenario: Scenario) -> Figures:
+def plan(policy: SchedulerConfig, scenario: Scenario) -> Figures:
     """Predicted steady-state figures of ``policy`` on ``scenario``."""
     return summarize(simulate(policy, scenario), scenario.warmup)

@@ -33,6 +33,7 @@ what is measured is the scheduling — admission, the driver thread, packing.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import threading
 import time
@@ -43,12 +44,13 @@ from typing import Any
 import numpy as np
 
 from dew._collector import frozen
+from dew.core import Call, Rollout, RolloutKey, Session, Status, Task
 from dew.data import Dataset, Prefetch
+from dew.objectives.rl.config import SchedulerConfig
 from dew.objectives.rl.scheduler import RolloutScheduler, SchedulerRecord
-from dew.objectives.rl.sessions import Call, Rollout, RolloutKey, Session, Status, Task
 from dew.plan._engine import EngineConfig, EngineModel
 from dew.plan._trace import BatchLedger, StepTrace, Trace
-from dew.plan.planner import Policy, Scenario, limit_steps
+from dew.plan.planner import Scenario, limit_steps, policy_for
 from dew.plan.presets import LengthDraws
 
 __all__ = ["SimulatedEngineSource", "TrainerStandIn", "run_scheduler"]
@@ -324,7 +326,7 @@ def pack_shape(scenario: Scenario, draws: LengthDraws) -> tuple[int, int]:
 
 
 def run_scheduler(
-    policy: Policy,
+    policy: SchedulerConfig,
     scenario: Scenario,
     *,
     scale: float,
@@ -332,12 +334,17 @@ def run_scheduler(
 ) -> Trace:
     """Run ``scenario.steps`` trainer steps of the real scheduler on the simulated engine.
 
-    Returns the same :class:`Trace` the planner returns, in simulated seconds; ``log``
-    receives the scheduler's record of every step.
+    The scheduler runs ``policy`` with ``groups`` set to the scenario's group, as the
+    planner does (:func:`dew.plan.planner.policy_for`); a ``timeout`` is in simulated
+    seconds and is scaled with the clock. Returns the same :class:`Trace` the planner
+    returns, in simulated seconds; ``log`` receives the scheduler's record of every step.
     """
+    config = policy_for(policy, scenario)
+    if config.timeout is not None:
+        config = dataclasses.replace(config, timeout=config.timeout * scale)
     draws = scenario.draws()
     rows, width = pack_shape(scenario, draws)
-    n_batches = scenario.steps + policy.ahead + 1
+    n_batches = scenario.steps + config.ahead + 1
     dataset = Dataset(
         {"task_id": np.arange(n_batches * scenario.tasks)},
         batch_size=scenario.tasks,
@@ -347,23 +354,18 @@ def run_scheduler(
     with SimulatedEngineSource(
         draws, scale=scale, tasks=scenario.tasks, engine=scenario.engine
     ) as source:
-        scheduler = RolloutScheduler(
+        scheduler = RolloutScheduler.from_config(
             TrainerStandIn(),  # type: ignore[arg-type]
             source,
             source,
+            config,
             width=width,
             rows=rows,
-            groups=scenario.group,
-            oversample=policy.oversample,
-            admit=policy.admit,
-            max_lag=policy.lag,
-            ahead=policy.ahead,
-            truncation="mask",
             log=log,
         )
         with scheduler, frozen():  # collector passes skip the set-up heap
             start_generated = source.generated()
-            prefetch = Prefetch(scheduler.tasks(dataset).stream(), depth=policy.ahead)
+            prefetch = Prefetch(scheduler.tasks(dataset).stream(), depth=config.ahead)
             for k in range(scenario.steps):
                 call = time.monotonic()
                 batch = next(prefetch)

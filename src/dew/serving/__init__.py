@@ -1,5 +1,9 @@
-"""In-process serving: :class:`RolloutServer` generates for rollouts and takes weight pushes."""
+"""Engines: :class:`RolloutServer` generates for rollouts and takes weight pushes.
 
-from dew.serving.server import Aborted, RolloutServer
+Every engine implements :class:`dew.core.Engine` (and :class:`dew.core.Publisher`), the
+only thing sources know of it.
+"""
 
-__all__ = ["Aborted", "RolloutServer"]
+from dew.serving.server import RolloutServer
+
+__all__ = ["RolloutServer"]

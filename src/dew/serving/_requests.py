@@ -8,23 +8,50 @@ them: a request through its ``future``, a load through ``done`` and ``error``.
 
 from __future__ import annotations
 
-import math
-import numbers
-import operator
 import threading
-from collections.abc import Callable, Collection, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 import torch
 
-from dew.objectives.rl.sessions import Call
+from dew.core import Call, SamplingParams
+from dew.core._checks import as_int
 
-__all__ = ["Load", "Request", "as_int", "check_weights", "make_request", "prefill_groups"]
+__all__ = [
+    "CallFuture",
+    "Load",
+    "Request",
+    "as_int",
+    "check_weights",
+    "make_request",
+    "prefill_groups",
+]
 
 # Prefill groups are bounded so the [k, 1, T, T] mask and the activations stay small.
 _PREFILL_TOKENS = 16384
 _PREFILL_MASK = 1 << 26
+
+
+class CallFuture(Future[Call]):
+    """The future ``submit`` returns; ``abort`` marks it, and the engine drops its request
+    at the next iteration boundary.
+
+    Waiting on it from the engine thread itself (a done-callback calling ``generate``)
+    would wait forever, so it raises ``RuntimeError`` instead.
+    """
+
+    aborted = False
+    engine_thread: threading.Thread | None = None
+
+    def result(self, timeout: float | None = None) -> Call:
+        if not self.done() and threading.current_thread() is self.engine_thread:
+            raise RuntimeError(
+                "a RolloutServer request was waited on from the engine thread (a submit "
+                "future's done-callback, e.g. through generate()); it would wait forever. "
+                "Use submit() there."
+            )
+        return super().result(timeout)
 
 
 @dataclass(eq=False)
@@ -45,11 +72,11 @@ class Request:
     support: list[list[int]] = field(default_factory=list)
     version: int = -1
     finish_reason: str | None = None
-    future: Future[Call] = field(default_factory=Future)
+    future: CallFuture = field(default_factory=CallFuture)
 
     @property
     def stopped(self) -> bool:
-        return self.stop is not None and self.stop.is_set()
+        return self.future.aborted or (self.stop is not None and self.stop.is_set())
 
     @property
     def cached(self) -> int:
@@ -67,38 +94,29 @@ class Load:
     error: BaseException | None = None
 
 
-def as_int(value: object, name: str) -> int:
-    if isinstance(value, bool):
-        raise ValueError(f"{name} must be an int, got {value!r}")
-    try:
-        return operator.index(value)  # type: ignore[arg-type]
-    except TypeError:
-        raise ValueError(f"{name} must be an int, got {value!r}") from None
-
-
 def _check_ids(ids: list[int], name: str, vocab: int) -> None:
     for i, t in enumerate(ids):
         if not 0 <= t < vocab:
             raise ValueError(f"{name}[{i}] = {t} is outside the vocabulary [0, {vocab})")
 
 
-def _real(value: object) -> bool:
-    return not isinstance(value, bool) and isinstance(value, numbers.Real)
-
-
 def make_request(
     prompt: Sequence[int],
-    *,
-    max_tokens: int,
-    temperature: float,
-    top_k: int | None,
-    top_p: float | None,
-    stop_ids: Collection[int],
+    params: SamplingParams,
     stop: threading.Event | None,
+    *,
     vocab: int,
     max_len: int,
+    eos: Sequence[int],
 ) -> Request:
-    """Validate one request's arguments and build its record."""
+    """Check one request against the served model and build its record.
+
+    ``params`` were checked when they were made; what is left needs the model: ids in
+    the vocabulary, the length within ``max_len``. ``params.stop_ids=None`` stops at
+    ``eos``, the model's end-of-sequence ids.
+    """
+    if not isinstance(params, SamplingParams):
+        raise ValueError(f"params must be SamplingParams, got {type(params).__name__}")
     items = prompt.tolist() if hasattr(prompt, "tolist") else prompt
     if isinstance(items, (str, bytes)) or not isinstance(items, Sequence):
         raise ValueError(f"prompt must be a sequence of token ids, got {type(prompt).__name__}")
@@ -106,33 +124,23 @@ def make_request(
     if not ids:
         raise ValueError("prompt is empty; it needs at least one token id")
     _check_ids(ids, "prompt", vocab)
-    max_tokens = as_int(max_tokens, "max_tokens")
-    if max_tokens < 1:
-        raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
+    max_tokens = params.max_tokens
     if len(ids) + max_tokens > max_len:
         raise ValueError(
             f"len(prompt) + max_tokens = {len(ids)} + {max_tokens} exceeds max_len={max_len}"
         )
-    if not _real(temperature) or not math.isfinite(temperature) or temperature < 0:
-        raise ValueError(f"temperature must be a finite number >= 0, got {temperature!r}")
-    if top_k is not None:
-        top_k = as_int(top_k, "top_k")
-        if top_k < 1:
-            raise ValueError(f"top_k must be >= 1 or None, got {top_k}")
-    if top_p is not None and (not _real(top_p) or not 0.0 < top_p <= 1.0):
-        raise ValueError(f"top_p must be in (0, 1] or None, got {top_p!r}")
-    stops = [as_int(t, "stop_ids") for t in stop_ids]
+    stops = list(eos if params.stop_ids is None else params.stop_ids)
     _check_ids(stops, "stop_ids", vocab)
     if stop is not None and not isinstance(stop, threading.Event):
         raise ValueError(f"stop must be a threading.Event or None, got {type(stop).__name__}")
-    temperature = float(temperature)
+    top_k, top_p, temperature = params.top_k, params.top_p, params.temperature
     filtered = (top_k is not None and top_k < vocab) or (top_p is not None and top_p < 1.0)
     return Request(
         prompt=ids,
         max_tokens=max_tokens,
         temperature=temperature,
         top_k=top_k,
-        top_p=None if top_p is None else float(top_p),
+        top_p=top_p,
         stop_ids=frozenset(stops),
         stop=stop,
         keeps_support=temperature == 0.0 or filtered,

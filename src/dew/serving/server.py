@@ -45,15 +45,16 @@ import copy
 import threading
 import time
 from collections import deque
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Hashable, Mapping, Sequence
 from collections.abc import Set as AbstractSet
 from concurrent.futures import Future
 
 import torch
 
-from dew.objectives.rl.sessions import Call
+from dew.core import Aborted, Call, Engine, SamplingParams
 from dew.serving._kv import ModelCall, SlotCache
 from dew.serving._requests import (
+    CallFuture,
     Load,
     Request,
     as_int,
@@ -63,7 +64,7 @@ from dew.serving._requests import (
 )
 from dew.serving._sampling import RowSettings, sample, settings
 
-__all__ = ["Aborted", "RolloutServer"]
+__all__ = ["RolloutServer"]
 
 # An idle engine woken by a request waits until no new request has arrived for _QUIET
 # seconds (at most _GATHER in all), so a burst of concurrent calls is prefilled together.
@@ -71,20 +72,7 @@ _QUIET = 0.0005
 _GATHER = 0.005
 
 
-class Aborted(Exception):
-    """``generate()`` was stopped by its ``stop`` event before it finished.
-
-    ``tokens`` is how many completion tokens had been generated; ``iteration`` the engine
-    iteration that dropped the request (-1 when it never reached the engine).
-    """
-
-    def __init__(self, message: str, *, tokens: int = 0, iteration: int = -1) -> None:
-        super().__init__(message)
-        self.tokens = tokens
-        self.iteration = iteration
-
-
-class RolloutServer:
+class RolloutServer(Engine):
     """Serves one model copy to many threads with continuous batching.
 
     ``model`` is copied (the caller keeps training its own); ``version`` is the version
@@ -194,7 +182,12 @@ class RolloutServer:
     def load(self, variables: torch.nn.Module | Mapping[str, torch.Tensor], version: int) -> None:
         """Copy ``variables`` (a module or a state dict with the model's names and shapes)
         into the engine's model between two iterations, then serve them as ``version``."""
-        self._check_not_engine("load")
+        # A load waits for the engine thread: from a done-callback it would wait forever.
+        if threading.current_thread() is self._thread:
+            raise RuntimeError(
+                "RolloutServer.load() was called on the engine thread (from a submit "
+                "future's done-callback); it would wait forever."
+            )
         version = as_int(version, "version")
         if version < 0:
             raise ValueError(f"version must be >= 0, got {version}")
@@ -211,38 +204,33 @@ class RolloutServer:
     def submit(
         self,
         prompt: Sequence[int],
+        params: SamplingParams,
         *,
-        max_tokens: int,
-        temperature: float = 1.0,
-        top_k: int | None = None,
-        top_p: float | None = None,
-        stop_ids: Collection[int] = (),
         stop: threading.Event | None = None,
+        affinity: Hashable | None = None,
     ) -> Future[Call]:
         """Queue a completion of ``prompt`` (token ids); returns at once with its future.
 
-        The request ends as in :meth:`generate`. The future resolves to the
-        :class:`Call`, or to :class:`Aborted` when ``stop`` is set before the request
-        finishes, or to ``RuntimeError`` when the server gets closed or a model step
-        fails first. Invalid arguments raise ``ValueError`` here, in the caller's
+        The request ends at the first token in the stop ids (kept as the last completion
+        token, ``finish_reason="stop"``; ``params.stop_ids=None`` means the model's
+        end-of-sequence ids) or after ``params.max_tokens`` tokens (``"length"``);
+        ``temperature=0`` is greedy. The future resolves to the :class:`Call`, to
+        :class:`Aborted` when ``stop`` is set or :meth:`abort` is called before the
+        request finishes, or to ``RuntimeError`` when the server gets closed or a model
+        step fails first. Invalid arguments raise ``ValueError`` here, in the caller's
         thread, and so does ``RuntimeError`` for a server already closed.
 
         Done-callbacks run on the engine thread, between two iterations: keep them
         short, and hand slow work (a verifier, an environment step) to a thread of your
         own. This is how a source serves many rollouts without a thread blocked in each.
+        ``affinity`` (a fleet's routing hint) means nothing to a single engine.
         """
+        del affinity
         request = make_request(
-            prompt,
-            max_tokens=max_tokens,
-            temperature=temperature,
-            top_k=top_k,
-            top_p=top_p,
-            stop_ids=stop_ids,
-            stop=stop,
-            vocab=self._vocab,
-            max_len=self._max_len,
+            prompt, params, stop, vocab=self._vocab, max_len=self._max_len, eos=self._eos
         )
         future = request.future
+        future.engine_thread = self._thread
         future.set_running_or_notify_cancel()  # only the engine resolves it from now on
         if request.stopped:
             future.set_exception(Aborted("generation stopped before it started"))
@@ -253,35 +241,14 @@ class RolloutServer:
             self._cond.notify_all()
         return future
 
-    def generate(
-        self,
-        prompt: Sequence[int],
-        *,
-        max_tokens: int,
-        temperature: float = 1.0,
-        top_k: int | None = None,
-        top_p: float | None = None,
-        stop_ids: Collection[int] = (),
-        stop: threading.Event | None = None,
-    ) -> Call:
-        """Generate a completion of ``prompt`` (token ids); blocks until it is done.
+    def abort(self, future: Future[Call]) -> None:
+        """Drop the request behind ``future`` at the next iteration boundary.
 
-        Ends at the first token in ``stop_ids`` (kept as the last completion token,
-        ``finish_reason="stop"``) or after ``max_tokens`` tokens (``"length"``).
-        ``temperature=0`` is greedy. Raises :class:`Aborted` when ``stop`` is set before
-        the request finishes, ``ValueError`` for invalid arguments and ``RuntimeError``
-        when the server is (or gets) closed.
+        Its future then resolves to :class:`Aborted`. Returns at once; a future that
+        already resolved, or that another engine made, is left alone.
         """
-        self._check_not_engine("generate")
-        return self.submit(
-            prompt,
-            max_tokens=max_tokens,
-            temperature=temperature,
-            top_k=top_k,
-            top_p=top_p,
-            stop_ids=stop_ids,
-            stop=stop,
-        ).result()
+        if isinstance(future, CallFuture):
+            future.aborted = True
 
     def close(self) -> None:
         """Stop the engine thread, failing every request and load that has not finished."""
@@ -298,14 +265,6 @@ class RolloutServer:
         self.close()
 
     # ------------------------------------------------------------------ validation
-
-    def _check_not_engine(self, name: str) -> None:
-        # A blocking call from a done-callback would wait on the thread it blocks.
-        if threading.current_thread() is self._thread:
-            raise RuntimeError(
-                f"RolloutServer.{name}() was called on the engine thread (from a submit "
-                "future's done-callback); it would wait forever. Use submit() there."
-            )
 
     def _check_open(self) -> None:  # caller holds _cond
         if self._broken is not None:

@@ -10,8 +10,8 @@ from typing import Any
 import numpy as np
 import pytest
 
+from dew.core import Call, Rollout, RolloutKey, Session, Status, Task
 from dew.data import Dataset
-from dew.objectives.rl.sessions import Call, Rollout, RolloutKey, Session, Status, Task
 
 WAIT = 10.0  # seconds; every wait in these tests is for an event, bounded by this
 

@@ -18,8 +18,9 @@ from hypothesis.stateful import (
     rule,
 )
 
-from dew.objectives.rl._admission import Admission, Cancel, Start
-from dew.objectives.rl.sessions import Call, Rollout, RolloutKey, Status, Task
+from dew.core import Call, Rollout, RolloutKey, Status, Task
+from dew.objectives.rl.admission import Admission, Cancel, Start
+from dew.objectives.rl.config import SchedulerConfig
 
 CANCELLING = {"surplus", "abandoned", "dropped", "cancelled:stale", "reopened", "closed"}
 
@@ -70,14 +71,17 @@ class AdmissionMachine(RuleBasedStateMachine):
     ) -> None:
         self.sync_every = sync_every
         self.adm = Admission(
-            groups=groups,
-            oversample=oversample,
-            admit=admit,
-            max_lag=ahead + sync_every - 1 + extra_lag,
-            ahead=ahead,
-            max_attempts=max_attempts,
-            timeout=timeout,
-            truncation=truncation,
+            SchedulerConfig(
+                groups=groups,
+                oversample=oversample,
+                admit=admit,
+                max_lag=ahead + sync_every - 1 + extra_lag,
+                ahead=ahead,
+                sync_every=sync_every,
+                max_attempts=max_attempts,
+                timeout=timeout,
+                truncation=truncation,
+            )
         )
         self.adm.audit = {}
         self.running: dict[RolloutKey, Task] = {}
@@ -193,14 +197,14 @@ class AdmissionMachine(RuleBasedStateMachine):
         if out is None:
             return
         for group in out.groups:
-            assert len(group) == self.adm.groups
+            assert len(group) == self.adm.config.groups
             gid = group[0].key.group
             assert gid not in self.packed_groups, "a group was handed over twice"
             assert gid not in self.abandoned_groups
             assert len({r.key.sample for r in group}) == len(group)
             for r in group:
                 assert r.key.group == gid
-                assert self.updates - r.oldest_version <= self.adm.max_lag
+                assert self.updates - r.oldest_version <= self.adm.config.max_lag
                 assert self.adm.audit is not None and self.adm.audit[r.key] == "consumed"
             self.packed_groups.add(gid)
         self.collect()
@@ -256,7 +260,7 @@ class AdmissionMachine(RuleBasedStateMachine):
             assert batch.complete == states.count("COMPLETE"), (batch.complete, states)
             for g in batch.groups:
                 for s in g.samples:
-                    assert s.failures <= self.adm.max_attempts
+                    assert s.failures <= self.adm.config.max_attempts
                 if g.state.name == "ABANDONED":
                     self.abandoned_groups.add(g.gid)
         # Record counts add up with what the ledger saw.

@@ -7,8 +7,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from dew.core import Call, Rollout, RolloutKey, Status, Task
+from dew.objectives.rl.chains import chains
 from dew.objectives.rl.pack import ESTIMATORS, PackStats, advantage_estimator, pack
-from dew.objectives.rl.sessions import Call, Rollout, RolloutKey, Status, Task, chains
 
 TASK = Task("t")
 EPS = 1e-6

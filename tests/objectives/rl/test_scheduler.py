@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 import traceback
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -10,11 +11,12 @@ import numpy as np
 import pytest
 import torch
 
+from dew.core import RolloutKey, Status, Task
 from dew.data import Prefetch
 from dew.demo.model import make_model
+from dew.objectives.rl.config import SchedulerConfig, SchedulerHooks
 from dew.objectives.rl.grpo import GRPOObjective
 from dew.objectives.rl.scheduler import RolloutScheduler, SchedulerRecord, task_ids
-from dew.objectives.rl.sessions import RolloutKey, Status, Task
 
 from .conftest import WAIT, RecordingPublisher, ScriptedSource, task_dataset
 
@@ -418,6 +420,59 @@ def test_result_exception_propagates_with_traceback(make, source, trainer, model
         s(model, {"task_id": np.array([0])}, updates=0)
 
 
+class EnvironmentGone(Exception):
+    """A source's own exception type, unknown to the scheduler."""
+
+
+def _wait_until(pred: Callable[[], bool], what: str) -> None:
+    deadline = time.monotonic() + WAIT
+    while not pred():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.005)
+
+
+@pytest.mark.parametrize("kind", [EnvironmentGone, KeyError])
+def test_source_failing_between_calls_raises_its_own_exception_next_call(
+    model, source, publisher, trainer, kind: type[Exception]
+) -> None:
+    error = kind("the environment went away")
+    agreed: list[BaseException | None] = []
+    config = SchedulerConfig(groups=1, ahead=1, max_lag=1)
+    hooks = SchedulerHooks(agree=agreed.append)
+    s = RolloutScheduler.from_config(
+        GRPOObjective(), source, publisher, config, width=64, rows=8, hooks=hooks
+    )
+    try:
+        stream = Prefetch(s.tasks(task_dataset(batch_size=1)).stream(), depth=1)
+        fut = trainer(s, model, next(stream), updates=0)
+        source.wait_started(2)
+        source.finish(source.order[0])
+        fut.result(WAIT)  # the call returned; batch 1's rollout is still running
+        assert s.failure is None and agreed == [None]
+        source.sessions[source.order[1]].resolve(error)  # breaks while no call waits
+        _wait_until(lambda: s.failure is error, "the failure to be recorded")
+        with pytest.raises(kind) as info:
+            trainer(s, model, next(stream), updates=1).result(WAIT)
+        assert info.value is error
+        assert any("between trainer calls" in n for n in getattr(error, "__notes__", []))
+        assert agreed[-1] is error  # the pool's agreement gets the cause itself
+        # Once raised, later calls say the scheduler stopped, chained to the cause.
+        with pytest.raises(RuntimeError, match="reopen") as again:
+            s(model, {"task_id": np.array([0])}, updates=1)
+        assert again.value.__cause__ is error
+        assert len(error.__notes__) == 1
+        # Reopening the stream clears it.
+        stream = Prefetch(s.tasks(task_dataset(batch_size=1)).stream(1), depth=1)
+        assert s.failure is None
+        fut = trainer(s, model, next(stream), updates=1)
+        source.wait_for(lambda src: len(src.running()) >= 1, "resubmitted work")
+        source.finish_all()
+        fut.result(WAIT)
+    finally:
+        s.close()
+
+
 def test_start_exception_propagates(make, source, trainer, model) -> None:
     s = make(ahead=0, max_lag=0, groups=1)
     stream = Prefetch(s.tasks(task_dataset(batch_size=1)).stream(), depth=0)
@@ -498,7 +553,7 @@ def test_record_fields(make, source, trainer, model) -> None:
     source.finish(source.order[1], reward=0.0)
     fut.result(WAIT)
     rec = make.records[-1]
-    assert s.history == [rec]
+    assert list(s.history) == [rec]
     assert (rec.updates, rec.version, rec.lag, rec.groups) == (0, 0, 0, 1)
     assert rec.cancelled == 0 and rec.abandoned == 0 and rec.cut == 0
     assert rec.waited >= 0

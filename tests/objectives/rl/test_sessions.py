@@ -12,22 +12,10 @@ from typing import Any
 import numpy as np
 import pytest
 
-from dew.objectives.rl.sessions import (
-    TRUNCATION_POLICIES,
-    Call,
-    Rollout,
-    RolloutKey,
-    Session,
-    SessionSource,
-    Status,
-    Task,
-    ThreadedSource,
-    Truncation,
-    chains,
-    merge_ratio,
-    session_metrics,
-    truncation_policy,
-)
+from dew.core import Call, Rollout, RolloutKey, Session, SessionSource, Status, Task, ThreadedSource
+from dew.objectives.rl.chains import chains, merge_ratio
+from dew.objectives.rl.metrics import session_metrics
+from dew.objectives.rl.truncation import TRUNCATION_POLICIES, Truncation, truncation_policy
 
 WAIT = 10.0  # seconds; every wait here is for an event and bounded by this
 
@@ -524,21 +512,25 @@ def test_session_metrics_without_batch_or_rollouts() -> None:
     m = session_metrics([rollout(reward=None, calls=[call()])])
     assert "reward/mean" not in m and "latency_p50" not in m and "trained_tokens" not in m
     assert m["status/completed"] == 1.0
-    # A batch without completion_mask: completion positions fall back to loss_mask.
     batch = {
         "segments": np.array([[1, 1, 0]]),
         "loss_mask": np.array([[0.0, 1.0, 0.0]]),
+        "completion_mask": np.array([[False, True, False]]),
         "versions": np.array([[0, 0, -1]]),
     }
     m = session_metrics([rollout()], batch, updates=0)
     assert m["masked_share"] == 0.0 and m["trained_tokens"] == 1.0
     assert m["token_lag_mean"] == 0.0
+    # pack always writes completion_mask; a batch without it is not one of pack's.
+    del batch["completion_mask"]
+    with pytest.raises(ValueError, match=r"\['completion_mask'\]"):
+        session_metrics([rollout()], batch, updates=0)
 
 
 @pytest.mark.parametrize("status", [Status.COMPLETED, Status.TRUNCATED])
 def test_unchecked_rollout_equals_the_validated_one(status: Status) -> None:
     # The planner's shortcut must build exactly what the constructor builds.
-    from dew.objectives.rl.sessions import _rollout_unchecked
+    from dew.core.types import simulated_rollout
 
     calls = (
         Call([1, 2], [3], [-0.5], 4, finish_reason="length"),
@@ -547,7 +539,7 @@ def test_unchecked_rollout_equals_the_validated_one(status: Status) -> None:
     truncation = "length" if status is Status.TRUNCATED else None
     args = dict(key=RolloutKey(3, 1, 2), task=Task("9"), status=status, calls=calls)
     checked = Rollout(**args, reward=0.5, truncation=truncation)
-    fast = _rollout_unchecked(**args, reward=0.5, truncation=truncation)
+    fast = simulated_rollout(**args, reward=0.5, truncation=truncation)
     assert type(fast) is Rollout
     assert vars(fast) == vars(checked)
     assert fast.oldest_version == 2

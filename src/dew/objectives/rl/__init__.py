@@ -1,17 +1,16 @@
 """GRPO-family RL for language models: sessions, packing, the objective and the scheduler.
 
+The records and protocols (``Call``, ``Rollout``, ``Session``...) are :mod:`dew.core`'s,
+re-exported here beside what the RL side adds.
+
 ``GRPOObjective`` (the one part that needs torch) is imported on first use, so the
 planner and ``dew plan``, which use the scheduler's bookkeeping, start without torch.
 """
 
 from typing import TYPE_CHECKING, Any
 
-from dew.objectives.rl.pack import ESTIMATORS, PackStats, advantage_estimator, pack
-from dew.objectives.rl.scheduler import Publisher, RolloutScheduler, SchedulerRecord, task_ids
-from dew.objectives.rl.sessions import (
-    TRUNCATION_POLICIES,
+from dew.core import (
     Call,
-    Chain,
     Rollout,
     RolloutKey,
     Session,
@@ -19,11 +18,14 @@ from dew.objectives.rl.sessions import (
     Status,
     Task,
     ThreadedSource,
-    Truncation,
-    chains,
-    merge_ratio,
-    session_metrics,
 )
+from dew.objectives.rl.chains import Chain, chains, merge_ratio
+from dew.objectives.rl.config import SchedulerConfig, SchedulerHooks
+from dew.objectives.rl.estimators import ESTIMATORS, advantage_estimator
+from dew.objectives.rl.metrics import session_metrics
+from dew.objectives.rl.pack import PackStats, pack
+from dew.objectives.rl.scheduler import Publisher, RolloutScheduler, SchedulerRecord, task_ids
+from dew.objectives.rl.truncation import TRUNCATION_POLICIES, Truncation
 
 if TYPE_CHECKING:
     from dew.objectives.rl.grpo import GRPOObjective
@@ -48,6 +50,8 @@ __all__ = [
     "Rollout",
     "RolloutKey",
     "RolloutScheduler",
+    "SchedulerConfig",
+    "SchedulerHooks",
     "SchedulerRecord",
     "Session",
     "SessionSource",

@@ -1,6 +1,6 @@
 """Packing: admitted rollout groups -> fixed-shape ``[rows, width]`` training arrays.
 
-Each rollout is split into chains (:func:`dew.objectives.rl.sessions.chains`); every
+Each rollout is split into chains (:func:`dew.objectives.rl.chains.chains`); every
 chain becomes one segment of one row, with positions counting from 0, so the model can
 attend within a chain and never across. Groups are placed in the order given, by first
 fit: each chain of a group takes the first row with room for it, and a group either goes
@@ -30,68 +30,32 @@ final arrays are written with one scatter per field.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from types import MappingProxyType
 
 import numpy as np
 
-from dew.objectives.rl.sessions import (
-    Rollout,
-    Status,
+from dew.core import Rollout, Status
+from dew.objectives.rl.chains import Run, chain_runs, trained_mask
+from dew.objectives.rl.estimators import (
+    DEFAULT_ESTIMATOR,
+    ESTIMATORS,
+    Estimator,
+    advantage_estimator,
+    advantages,
+)
+from dew.objectives.rl.truncation import (
+    DEFAULT_TRUNCATION,
     Truncation,
-    _chain_runs,
-    _Run,
-    _trained_mask,
+    TruncationPolicy,
+    policy_name,
     truncation_policy,
 )
 
+# The estimator registry is pack's to apply; it is re-exported here as pack's vocabulary.
 __all__ = ["ESTIMATORS", "PackStats", "advantage_estimator", "pack"]
 
-_STD_EPS = 1e-6
 _NO_IDS = np.zeros(0, dtype=np.int64)
-
-
-# --------------------------------------------------------------------------- estimators
-
-
-def _group(rewards: np.ndarray, trained: np.ndarray) -> np.ndarray:
-    # rewards, trained: [n] -> [n]
-    k = int(trained.sum())
-    if k == 0:
-        return np.zeros(len(rewards))
-    mean = rewards[trained].mean()
-    return np.where(trained, rewards - mean, 0.0)
-
-
-def _group_std(rewards: np.ndarray, trained: np.ndarray) -> np.ndarray:
-    # rewards, trained: [n] -> [n]
-    if not trained.any():
-        return np.zeros(len(rewards))
-    std = rewards[trained].std()  # population std: defined for a single member
-    return _group(rewards, trained) / (std + _STD_EPS)
-
-
-def _rloo(rewards: np.ndarray, trained: np.ndarray) -> np.ndarray:
-    # rewards, trained: [n] -> [n]; baseline of member i is the mean of the other trained ones
-    k = int(trained.sum())
-    if k < 2:
-        return np.zeros(len(rewards))
-    total = rewards[trained].sum()
-    return np.where(trained, rewards - (total - rewards) / (k - 1), 0.0)
-
-
-ESTIMATORS: Mapping[str, Callable[[np.ndarray, np.ndarray], np.ndarray]] = MappingProxyType(
-    {"group": _group, "group_std": _group_std, "rloo": _rloo}
-)
-
-
-def advantage_estimator(name: str) -> Callable[[np.ndarray, np.ndarray], np.ndarray]:
-    """The estimator registered under ``name``: ``fn(rewards, trained) -> advantages``."""
-    try:
-        return ESTIMATORS[name]
-    except (KeyError, TypeError):
-        raise ValueError(f"estimator={name!r} is not one of {sorted(ESTIMATORS)}") from None
 
 
 # --------------------------------------------------------------------------- stats
@@ -193,7 +157,7 @@ def _rollout_support(rollout: Rollout) -> tuple[np.ndarray, np.ndarray]:
 class _Placed:
     """Placed chains, one entry per chain in placement order (within a row: slot order)."""
 
-    runs: list[list[_Run]] = field(default_factory=list)  # each chain as its runs
+    runs: list[list[Run]] = field(default_factory=list)  # each chain as its runs
     lengths: list[int] = field(default_factory=list)  # tokens per chain
     flat: list[int] = field(default_factory=list)  # row * width + first slot
     segment: list[int] = field(default_factory=list)
@@ -244,11 +208,11 @@ class _Rows:
                 id_ends = np.cumsum(all_counts)  # [m]
                 tok_at = id_at = 0
             is_trained, advantage = bool(trained[mi]), float(adv[mi])
-            for runs in _chain_runs(rollout.calls):
+            for runs in chain_runs(rollout.calls):
                 n = sum(len(run.tokens) for run in runs)
                 fits = room >= n  # [rows]
                 if with_support:
-                    flags = _trained_mask(runs)  # [n]
+                    flags = trained_mask(runs)  # [n]
                     k = int(np.count_nonzero(flags))
                     counts = np.zeros(n, dtype=np.int64)  # [n]
                     counts[flags] = all_counts[tok_at : tok_at + k]
@@ -290,8 +254,8 @@ def pack(
     *,
     rows: int,
     width: int,
-    estimator: str = "group",
-    truncation: str = "mask",
+    estimator: str | Estimator = DEFAULT_ESTIMATOR,
+    truncation: str | TruncationPolicy = DEFAULT_TRUNCATION,
     support_capacity: int | None = None,
 ) -> tuple[dict[str, np.ndarray], PackStats]:
     """Pack admitted ``groups`` into ``[rows, width]`` arrays and compute advantages.
@@ -304,8 +268,9 @@ def pack(
     rows = _check_int("rows", rows)
     width = _check_int("width", width)
     cap = None if support_capacity is None else _check_int("support_capacity", support_capacity)
-    estimate = advantage_estimator(estimator)
+    advantage_estimator(estimator)  # refuses a bad estimator before any work
     policy = truncation_policy(truncation)
+    name = policy_name(truncation)
 
     space = _Rows(rows, width, cap)
     placed = _Placed()
@@ -313,12 +278,12 @@ def pack(
     cut: list[int] = []
     base = 0  # flat index of the group's first member
     for gi, group in enumerate(groups):
-        verdicts = [_admit(r, policy, truncation, cap) for r in group]
+        verdicts = [_admit(r, policy, name, cap) for r in group]
         n = len(verdicts)
         trained = np.fromiter((v[0] for v in verdicts), dtype=bool, count=n)  # [n]
         rewards = np.fromiter((v[1] for v in verdicts), dtype=np.float64, count=n)  # [n]
         supported = np.fromiter((v[2] for v in verdicts), dtype=bool, count=n)  # [n]
-        adv = estimate(rewards, trained)  # [n]
+        adv = advantages(estimator, rewards, trained)  # [n]
         got = space.place_group(group, trained, supported, adv, base)
         if got is None:
             cut.append(gi)

@@ -1,49 +1,57 @@
 """RolloutScheduler: rollouts in flight ahead of the trainer, admitted as whole groups.
 
-The policy lives in :mod:`dew.objectives.rl._admission` (a state machine with no
-threads and no clock). This module is the thin driver around it: one owned thread
-feeds it events and carries out its decisions against the source.
+The policy lives in :mod:`dew.objectives.rl.admission` (a state machine with no
+threads and no clock), built from the scheduler's
+:class:`~dew.objectives.rl.config.SchedulerConfig`. One owned thread
+(:class:`dew.objectives.rl._driver.Driver`) feeds it events and carries out its
+decisions against the source; this module is the trainer's side around it: weight
+pushes, packing, rescoring and records.
 
 Concurrency invariants:
 
 * Only the driver thread touches the state machine and the session table. Session
   done-callbacks (any thread), the trainer's stream reads and calls, and ``close()``
-  only append to the inbox and wait for a reply.
+  only append to the driver's inbox and wait for a reply.
 * Weight pushes and rescoring run on the trainer's thread, inside its call: they use
   the trainer's model and, on a pool, meet the other processes there.
 * Timeouts are enforced by the driver thread whenever a deadline passes, so a rollout
   is cancelled on time while the trainer trains, not only while it waits.
 * A source whose ``start`` or ``result`` raises stops the scheduler: everything in
-  flight is cancelled and the exception (its type, message and traceback) is raised
-  from the trainer's call. Reopening the stream (a resume) clears that state.
+  flight is cancelled and the exception itself (its type, message and traceback) is
+  raised from the trainer's call: the waiting one, or, when the source broke between
+  calls, the next one, with a note saying so. Later calls raise a ``RuntimeError``
+  chained to it until the stream is reopened (a resume), which clears that state.
+  :attr:`RolloutScheduler.failure` reads it meanwhile.
+* Pool hooks (:class:`~dew.objectives.rl.config.SchedulerHooks`) are fixed before the
+  task stream first opens: given to :meth:`RolloutScheduler.from_config` or
+  :meth:`RolloutScheduler.connect`, never set on a running scheduler.
 * ``close()`` cancels everything in flight, fails a waiting call, and joins the
   driver thread. Closing the source is left to whoever created it.
 """
 
 from __future__ import annotations
 
-import threading
+import dataclasses
 import time
-from collections import deque
-from collections.abc import Callable, Mapping, Sequence
-from concurrent.futures import Future
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar, overload, runtime_checkable
 
 import numpy as np
 
+from dew.core import Rollout, SessionSource, Task
 from dew.data import Batch, Dataset
-from dew.objectives.rl._admission import Admission, Cancel, Consumed, Start
-from dew.objectives.rl.pack import ESTIMATORS, pack
-from dew.objectives.rl.sessions import (
-    Rollout,
-    RolloutKey,
-    Session,
-    SessionSource,
-    Task,
-    session_metrics,
-    truncation_policy,
+from dew.objectives.rl._driver import Driver
+from dew.objectives.rl.admission import Admission, Consumed
+from dew.objectives.rl.config import (
+    EstimatorChoice,
+    SchedulerConfig,
+    SchedulerHooks,
+    TruncationChoice,
+    check_shape,
 )
+from dew.objectives.rl.metrics import session_metrics
+from dew.objectives.rl.pack import pack
 
 if TYPE_CHECKING:
     from dew.objectives.rl.grpo import GRPOObjective
@@ -96,14 +104,31 @@ def task_ids(batch: Batch) -> list[Task]:
     return [Task(id=str(int(i))) for i in ids.reshape(-1)]
 
 
-@dataclass
-class _Reply:
-    """A trainer call waiting on the driver."""
+_DEFAULT = SchedulerConfig()  # where the constructor's defaults come from
+_NO_HOOKS = SchedulerHooks()
+_RecordT = TypeVar("_RecordT")
 
-    batch: Any
-    updates: int
-    future: Future[tuple[Consumed, dict[str, Any]]]
-    started: bool = False
+
+class _ReadOnly(Sequence[_RecordT]):
+    """A live, read-only view of a list (no copy per read)."""
+
+    __slots__ = ("_items",)
+
+    def __init__(self, items: list[_RecordT]) -> None:
+        self._items = items
+
+    @overload
+    def __getitem__(self, i: int) -> _RecordT: ...
+    @overload
+    def __getitem__(self, i: slice) -> Sequence[_RecordT]: ...
+    def __getitem__(self, i: int | slice) -> _RecordT | Sequence[_RecordT]:
+        return self._items[i]
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def __repr__(self) -> str:
+        return f"history({self._items!r})"
 
 
 class RolloutScheduler:
@@ -113,7 +138,11 @@ class RolloutScheduler:
     ``scheduler(model, batch, updates=n)`` returns
     the packed batch for batch ``n`` of ``scheduler.tasks(dataset).stream(...)``.
     The scheduler reference page has every rule; the module docstring of
-    :mod:`dew.objectives.rl._admission` for the bookkeeping.
+    :mod:`dew.objectives.rl.admission` for the bookkeeping.
+
+    The keyword knobs build one :class:`~dew.objectives.rl.config.SchedulerConfig`
+    (read back as :attr:`config`), which validates them; :meth:`from_config` takes a
+    config built beforehand, and pool hooks with it.
     """
 
     def __init__(
@@ -125,22 +154,20 @@ class RolloutScheduler:
         width: int,
         rows: int,
         tasks: Callable[[Batch], Sequence[Task]] = task_ids,
-        groups: int = 4,
-        oversample: int = 0,
-        admit: int | None = None,
-        max_lag: int = 1,
-        ahead: int = 1,
-        sync_every: int = 1,
-        max_attempts: int = 3,
-        timeout: float | None = None,
-        estimator: str = "group",
-        truncation: str = "mask",
-        support_capacity: int | None = None,
+        groups: int = _DEFAULT.groups,
+        oversample: int = _DEFAULT.oversample,
+        admit: int | None = _DEFAULT.admit,
+        max_lag: int = _DEFAULT.max_lag,
+        ahead: int = _DEFAULT.ahead,
+        sync_every: int = _DEFAULT.sync_every,
+        max_attempts: int = _DEFAULT.max_attempts,
+        timeout: float | None = _DEFAULT.timeout,
+        estimator: EstimatorChoice = _DEFAULT.estimator,
+        truncation: TruncationChoice = _DEFAULT.truncation,
+        support_capacity: int | None = _DEFAULT.support_capacity,
         log: Callable[[SchedulerRecord], None] | None = None,
     ) -> None:
-        _validate(
-            width=width,
-            rows=rows,
+        config = SchedulerConfig(
             groups=groups,
             oversample=oversample,
             admit=admit,
@@ -153,51 +180,123 @@ class RolloutScheduler:
             truncation=truncation,
             support_capacity=support_capacity,
         )
-        self.objective = objective
-        self.source = source
-        self.weights = weights
-        self.width, self.rows = width, rows
-        self.tasks_of = tasks
-        self.groups, self.oversample, self.admit = groups, oversample, admit
-        self.max_lag, self.ahead, self.sync_every = max_lag, ahead, sync_every
-        self.max_attempts, self.timeout = max_attempts, timeout
-        self.estimator, self.truncation = estimator, truncation
-        self.support_capacity = support_capacity
-        self.log = log
-        self.history: list[SchedulerRecord] = []
+        check_shape(width=width, rows=rows)
+        self._config = config
+        self._objective = objective
+        self._source = source
+        self._publisher = weights  # as given; the hooks may wrap it (see connect)
+        self._width, self._rows = width, rows
+        self._tasks_of = tasks
+        self._log = log
+        self._history: list[SchedulerRecord] = []
+        self._history_view = _ReadOnly(self._history)
         # Task ids of the last call by outcome: trained, abandoned, cut, dropped.
         self.last_tasks: dict[str, list[str]] = {}
-        # Pool hooks, set by dew.pool; a single process leaves them as they are.
-        # agree(failure) meets the other processes before rescoring and raises on every
-        # process when any one failed; share(batch) hands a share's first reader's rows
-        # to its later readers (they pass None); samples=False marks a later reader,
-        # which starts nothing and logs nothing.
-        self.agree: Callable[[BaseException | None], None] | None = None
-        self.share: Callable[[Batch | None], Batch] | None = None
-        self.samples = True
-
-        self._admission = Admission(
-            groups=groups,
-            oversample=oversample,
-            admit=admit,
-            max_lag=max_lag,
-            ahead=ahead,
-            max_attempts=max_attempts,
-            timeout=timeout,
-            truncation=truncation,
-        )
+        self._opened = False  # set when the task stream first opens: hooks are fixed then
+        self._install(_NO_HOOKS)
         self._served: int | None = None  # trainer-thread view of the pushed version
         self._closed = False
-        self._cond = threading.Condition()
-        self._inbox: deque[tuple[Any, ...]] = deque()
-        self._stopping = False
-        # Driver-thread state.
-        self._sessions: dict[RolloutKey, tuple[Session, float]] = {}
-        self._failure: BaseException | None = None
-        self._waiting: _Reply | None = None
-        self._late_cancelled: list[Rollout] = []
-        self._thread = threading.Thread(target=self._drive, name="dew-scheduler", daemon=True)
-        self._thread.start()
+        self._driver = Driver(Admission(config), source)
+
+    @classmethod
+    def from_config(
+        cls,
+        objective: GRPOObjective,
+        source: SessionSource,
+        weights: Publisher,
+        config: SchedulerConfig,
+        *,
+        hooks: SchedulerHooks | None = None,
+        **rest: Any,
+    ) -> RolloutScheduler:
+        """A scheduler with the knobs of ``config`` and, on a pool, its ``hooks``.
+
+        ``rest`` are the constructor's other keyword arguments (``width`` and ``rows``,
+        required; ``tasks``, ``log``); a knob given there as well is refused.
+        ``hooks`` is how a pool joins the scheduler from the start (see
+        :class:`~dew.objectives.rl.config.SchedulerHooks`): the constructor keeps the
+        reference page's signature, so it takes none, and :meth:`connect` hands them
+        to a scheduler built that way.
+        """
+        if not isinstance(config, SchedulerConfig):
+            raise TypeError(f"config: expected a SchedulerConfig, got {type(config).__name__}")
+        knobs = {f.name: getattr(config, f.name) for f in dataclasses.fields(config)}
+        twice = sorted(set(knobs) & set(rest))
+        if twice:
+            raise TypeError(f"from_config: {', '.join(twice)} come from config, not as arguments")
+        self = cls(objective, source, weights, **knobs, **rest)
+        if hooks is not None:
+            self.connect(hooks)
+        return self
+
+    def _install(self, hooks: SchedulerHooks) -> None:
+        self._hooks = hooks
+        wrap = hooks.publisher
+        self._weights = self._publisher if wrap is None else wrap(self._publisher)
+
+    def connect(self, hooks: SchedulerHooks) -> None:
+        """Join a pool: take ``hooks`` in place of any given before.
+
+        Only before the task stream first opens: a share's later reader must never
+        have registered a batch, and every process must push through the same
+        publisher from the first call. Refused with ``RuntimeError`` after that. A
+        publisher hook wraps the publisher this scheduler was built with, so
+        connecting twice does not wrap it twice.
+        """
+        self._check_open()
+        if self._opened:
+            raise RuntimeError(
+                "connect: the task stream has already opened; hand the scheduler its hooks "
+                "before scheduler.tasks(dataset).stream() is first read"
+            )
+        if not isinstance(hooks, SchedulerHooks):
+            raise TypeError(f"hooks: expected SchedulerHooks, got {type(hooks).__name__}")
+        self._install(hooks)
+
+    @property
+    def config(self) -> SchedulerConfig:
+        """The scheduling knobs this scheduler runs with (frozen)."""
+        return self._config
+
+    @property
+    def ahead(self) -> int:
+        """Task batches submitted before they are handed over (``config.ahead``).
+
+        ``dew.train.fit`` reads it to size its look-ahead reader.
+        """
+        return self._config.ahead
+
+    @property
+    def hooks(self) -> SchedulerHooks:
+        """The pool hooks in use (all empty on a single process)."""
+        return self._hooks
+
+    @property
+    def weights(self) -> Publisher:
+        """The publisher pushes go through (wrapped by the pool's hook, if any)."""
+        return self._weights
+
+    @property
+    def history(self) -> Sequence[SchedulerRecord]:
+        """Every call's record, oldest first: a read-only live view."""
+        return self._history_view
+
+    def restore_history(self, records: Iterable[SchedulerRecord]) -> None:
+        """Replace the history by ``records`` (a resume restores a checkpoint's)."""
+        restored = list(records)
+        for r in restored:
+            if not isinstance(r, SchedulerRecord):
+                raise TypeError(f"records: expected SchedulerRecord, got {type(r).__name__}")
+        self._history[:] = restored
+
+    @property
+    def failure(self) -> BaseException | None:
+        """What the source raised, once it broke; None while it works.
+
+        Set from the driver thread when a source's ``start`` or ``result`` raises;
+        cleared when the task stream is reopened.
+        """
+        return self._driver.failure
 
     # ------------------------------------------------------------------ trainer side
 
@@ -211,35 +310,36 @@ class RolloutScheduler:
 
     def _on_open(self) -> None:
         self._check_open()
+        self._opened = True
         self._served = None  # the engines may serve anything: push on the next call
-        self._request("reopen")
+        self._driver.request("reopen")
 
     def _on_read(self, batch: Batch) -> None:
         self._check_open()
-        if not self.samples:
+        if not self._hooks.samples:
             return  # a share's later reader trains on the first reader's rows
-        tasks = list(self.tasks_of(batch))
-        self._post("register", tasks, batch)
+        tasks = list(self._tasks_of(batch))
+        self._driver.post("register", tasks, batch)
 
     def __call__(self, variables: Variables, batch: Batch, *, updates: int) -> Batch:
         """Push weights if due, then wait for ``batch``'s groups and pack them."""
         self._check_open()
-        if self._served is None or updates - self._served >= self.sync_every:
-            self.weights.load(variables, updates)
+        if self._served is None or updates - self._served >= self._config.sync_every:
+            self._weights.load(variables, updates)
             self._served = updates
-            self._post("pushed", updates)
-        if not self.samples:
+            self._driver.post("pushed", updates)
+        hooks = self._hooks
+        if not hooks.samples:
             return self._follow(variables)
         t0 = time.monotonic()
-        reply = _Reply(batch, updates, Future())
-        self._post("call", reply)
+        future = self._driver.call(batch, updates)
         failure: BaseException | None = None
         try:
-            consumed, counts = reply.future.result()
+            consumed, counts = future.result()
         except Exception as exc:
             failure = exc
-        if self.agree is not None:
-            self.agree(failure)  # on a pool: raises on every process if any one failed
+        if hooks.agree is not None:
+            hooks.agree(failure)  # on a pool: raises on every process if any one failed
         if failure is not None:
             raise failure
         waited = time.monotonic() - t0
@@ -247,11 +347,11 @@ class RolloutScheduler:
 
     def _follow(self, variables: Variables) -> Batch:
         """A later reader of a share: agree, then train on the first reader's rows."""
-        if self.agree is not None:
-            self.agree(None)
-        if self.share is None:
-            raise RuntimeError("samples=False needs a share hook (see dew.pool)")
-        out = self.share(None)
+        hooks = self._hooks
+        if hooks.agree is not None:
+            hooks.agree(None)
+        assert hooks.share is not None, "SchedulerHooks refuses samples=False without share"
+        out = hooks.share(None)
         self._rescore(variables, out)
         return out
 
@@ -259,7 +359,7 @@ class RolloutScheduler:
         import torch
 
         with torch.no_grad():
-            proximal = self.objective.packed_log_probs(variables, out)
+            proximal = self._objective.packed_log_probs(variables, out)
         out["proximal_log_probs"] = proximal.detach().float().cpu().numpy()
 
     def _finish_call(
@@ -270,16 +370,18 @@ class RolloutScheduler:
         counts: dict[str, Any],
         waited: float,
     ) -> Batch:
+        config = self._config
         out, stats = pack(
             consumed.groups,
-            rows=self.rows,
-            width=self.width,
-            estimator=self.estimator,
-            truncation=self.truncation,
-            support_capacity=self.support_capacity,
+            rows=self._rows,
+            width=self._width,
+            estimator=config.estimator,
+            truncation=config.truncation,
+            support_capacity=config.support_capacity,
         )
-        if self.share is not None:
-            out = self.share(out)  # the share's first reader hands its rows to the others
+        share = self._hooks.share
+        if share is not None:
+            out = share(out)  # the share's first reader hands its rows to the others
         self._rescore(variables, out)
 
         packed = [r for i in stats.packed for r in consumed.groups[i]]
@@ -310,9 +412,9 @@ class RolloutScheduler:
             "abandoned": [t.id for t in consumed.abandoned],
             "dropped": [t.id for t in consumed.dropped],
         }
-        self.history.append(record)
-        if self.log is not None:
-            self.log(record)
+        self._history.append(record)
+        if self._log is not None:
+            self._log(record)
         return out
 
     def close(self) -> None:
@@ -320,12 +422,7 @@ class RolloutScheduler:
         if self._closed:
             return
         self._closed = True
-        if self._thread.is_alive():
-            self._request("close")
-        with self._cond:
-            self._stopping = True
-            self._cond.notify_all()
-        self._thread.join()
+        self._driver.stop()
 
     def __enter__(self) -> RolloutScheduler:
         return self
@@ -340,193 +437,7 @@ class RolloutScheduler:
     @property
     def in_flight(self) -> int:
         """Rollouts currently running (for monitoring; read without locking)."""
-        return self._admission.in_flight
-
-    # ------------------------------------------------------------------ inbox
-
-    def _post(self, *event: Any) -> None:
-        with self._cond:
-            self._inbox.append(event)
-            self._cond.notify()
-
-    def _request(self, kind: str) -> None:
-        """Post an event and wait until the driver handled it."""
-        done: Future[None] = Future()
-        self._post(kind, done)
-        done.result()
-
-    def _on_done(self, key: RolloutKey, session: Session) -> None:
-        self._post("finished", key, session, time.monotonic())
-
-    # ------------------------------------------------------------------ driver thread
-
-    def _drive(self) -> None:
-        try:
-            self._loop()
-        except BaseException as exc:
-            # Never leave a trainer waiting on a dead driver; then let it propagate.
-            self._failure = self._failure or exc
-            self._fail_waiting(exc)
-            raise
-
-    def _loop(self) -> None:
-        adm = self._admission
-        while True:
-            with self._cond:
-                while not self._inbox and not self._stopping:
-                    deadline = adm.next_deadline()
-                    wait = None if deadline is None else deadline - time.monotonic()
-                    if wait is not None and wait <= 0:
-                        break
-                    self._cond.wait(wait)
-                if self._stopping and not self._inbox:
-                    return
-                events = list(self._inbox)
-                self._inbox.clear()
-            for event in events:
-                self._handle(event)
-            now = time.monotonic()
-            if self._failure is None and not adm.closed:
-                self._guard(lambda now=now: adm.expire(now))
-            self._try_consume()
-
-    def _handle(self, event: tuple[Any, ...]) -> None:
-        adm = self._admission
-        kind = event[0]
-        if kind == "finished":
-            _, key, session, at = event
-            entry = self._sessions.pop(key, None)
-            if entry is None:  # cancelled by us: the result is fenced off
-                self._observe_late(session)
-                return
-            if self._failure is not None:
-                return
-            submitted = entry[1]
-            self._guard(lambda: adm.finished(key, _stamp(session.result(), submitted, at), at))
-        elif kind == "register":
-            _, tasks, batch = event
-            adm.register(tasks, batch)
-        elif kind == "pushed":
-            adm.pushed(event[1])
-        elif kind == "call":
-            reply: _Reply = event[1]
-            self._start_call(reply)
-        elif kind == "reopen":
-            done: Future[None] = event[1]
-            self._fail_waiting(RuntimeError("the stream was reopened while a call waited"))
-            self._execute(adm.reopen())
-            self._failure = None
-            adm.reset_counts()
-            done.set_result(None)
-        elif kind == "close":
-            done = event[1]
-            self._fail_waiting(RuntimeError("the scheduler was closed while a call waited"))
-            self._execute(adm.close())
-            done.set_result(None)
-
-    def _start_call(self, reply: _Reply) -> None:
-        adm = self._admission
-        if self._failure is not None:
-            err = RuntimeError(
-                "the scheduler stopped after its source failed; reopen the stream to resume"
-            )
-            err.__cause__ = self._failure
-            reply.future.set_exception(err)
-            return
-        if self._waiting is not None:
-            reply.future.set_exception(RuntimeError("another trainer call is already waiting"))
-            return
-        oldest = adm.oldest()
-        if oldest is None or oldest is not reply.batch:
-            reply.future.set_exception(
-                ValueError(
-                    "the rollout was handed a batch that is not the oldest one registered by "
-                    "scheduler.tasks(dataset).stream(); hand batches over in reading order"
-                )
-            )
-            return
-        self._waiting = reply
-        self._guard(lambda: adm.call(reply.updates, time.monotonic()))
-
-    def _try_consume(self) -> None:
-        reply = self._waiting
-        if reply is None:
-            return
-        if self._failure is not None:
-            self._waiting = None
-            reply.future.set_exception(self._failure)
-            return
-        adm = self._admission
-        result: list[Consumed | None] = [None]
-
-        def consume() -> list[Start | Cancel]:
-            result[0], actions = adm.consume(reply.updates, time.monotonic())
-            return actions
-
-        self._guard(consume)
-        if self._failure is not None:
-            self._try_consume()
-            return
-        if result[0] is not None:
-            counts = {
-                "resubmitted": dict(adm.resubmitted),
-                "cancelled": adm.cancelled,
-                "abandoned": adm.abandoned,
-                "dropped_rollouts": list(adm.dropped_rollouts),
-                "late_cancelled": self._late_cancelled,
-            }
-            self._late_cancelled = []
-            adm.reset_counts()
-            self._waiting = None
-            reply.future.set_result((result[0], counts))
-
-    def _guard(self, step: Callable[[], Sequence[Start | Cancel]]) -> None:
-        """Run a state-machine step and its actions; a raising source stops everything."""
-        try:
-            self._execute(step())
-        except Exception as exc:
-            self._break(exc)
-
-    def _execute(self, actions: Sequence[Start | Cancel]) -> None:
-        for action in actions:
-            if isinstance(action, Start):
-                session = self.source.start(action.task, action.key)
-                self._sessions[action.key] = (session, time.monotonic())
-                session.add_done_callback(lambda s, k=action.key: self._on_done(k, s))
-            else:
-                entry = self._sessions.pop(action.key, None)
-                if entry is not None:
-                    entry[0].cancel()
-
-    def _break(self, exc: BaseException) -> None:
-        if self._failure is None:
-            self._failure = exc
-        for session, _ in self._sessions.values():
-            session.cancel()
-        self._sessions.clear()
-        self._admission.reopen()  # forget the work; its sessions were cancelled above
-
-    def _fail_waiting(self, exc: BaseException) -> None:
-        if self._waiting is not None:
-            self._waiting.future.set_exception(exc)
-            self._waiting = None
-
-    def _observe_late(self, session: Session) -> None:
-        """A result of a rollout we cancelled: kept only for the length-bias figures."""
-        try:
-            r = session.result(0)
-        except Exception:
-            return
-        if r.calls:
-            self._late_cancelled.append(r)
-
-
-def _stamp(rollout: Rollout, submitted: float, finished: float) -> Rollout:
-    # The source handed this rollout over for good; the scheduler writes its timestamps
-    # into it rather than copying (at thousands of rollouts a call, a copy is real time).
-    object.__setattr__(rollout, "submitted", submitted)
-    object.__setattr__(rollout, "finished", finished)
-    return rollout
+        return self._driver.in_flight
 
 
 def _length_bias(
@@ -555,33 +466,3 @@ def _length_bias(
         put(why, [r for w, r in dropped if w == why])
     put("cancelled_partial", late_cancelled)
     return out
-
-
-def _validate(**p: Any) -> None:
-    def need(ok: bool, name: str, rule: str) -> None:
-        if not ok:
-            raise ValueError(f"{name}={p[name]!r}: {rule}")
-
-    for name in ("width", "rows", "groups", "max_attempts", "sync_every"):
-        need(isinstance(p[name], int) and p[name] >= 1, name, "must be an int >= 1")
-    for name in ("oversample", "ahead", "max_lag"):
-        need(isinstance(p[name], int) and p[name] >= 0, name, "must be an int >= 0")
-    need(
-        p["admit"] is None or (isinstance(p["admit"], int) and p["admit"] >= 1),
-        "admit",
-        "must be None or an int >= 1",
-    )
-    need(p["timeout"] is None or p["timeout"] > 0, "timeout", "must be None or > 0 seconds")
-    need(
-        p["support_capacity"] is None or p["support_capacity"] >= 1,
-        "support_capacity",
-        "must be None or >= 1",
-    )
-    need(p["estimator"] in ESTIMATORS, "estimator", f"must be one of {sorted(ESTIMATORS)}")
-    truncation_policy(p["truncation"])  # raises naming truncation
-    floor = p["ahead"] + p["sync_every"] - 1
-    if p["max_lag"] < floor:
-        raise ValueError(
-            f"max_lag={p['max_lag']} < ahead + sync_every - 1 = {floor}: a first submission can "
-            f"already be {floor} updates stale when consumed"
-        )

@@ -10,11 +10,11 @@ from typing import Any
 import numpy as np
 import pytest
 
+from dew.core import Rollout, RolloutKey, SamplingParams, Status, Task
 from dew.demo.guess import make_env
 from dew.demo.model import make_model, make_tokenizer
-from dew.objectives.rl.sessions import Rollout, RolloutKey, Status, Task, chains, merge_ratio
-from dew.objectives.rl.sources import AgentError, Environment, EnvironmentSource
-from dew.objectives.rl.sources._common import ChatTokens
+from dew.objectives.rl.chains import chains, merge_ratio
+from dew.objectives.rl.sources import AgentError, ChatTokens, Environment, EnvironmentSource
 from dew.serving import RolloutServer
 
 TOK = make_tokenizer()
@@ -76,8 +76,13 @@ class Scripted:
 def source_for(
     server: RolloutServer, make: Callable[[], Environment], **kw: Any
 ) -> EnvironmentSource:
-    options = {"tokenizer": TOK, "max_turns": 8, "max_context": 512, "max_tokens": 4, **kw}
-    return EnvironmentSource(server, make, **options)
+    """The source with test defaults; sampling keywords (max_tokens, temperature, top_k,
+    top_p, stop_ids) go into its SamplingParams."""
+    fields = {"max_tokens", "temperature", "top_k", "top_p", "stop_ids"}
+    sampling = {"max_tokens": 4, **{k: v for k, v in kw.items() if k in fields}}
+    options = {"tokenizer": TOK, "max_turns": 8, "max_context": 512}
+    options.update({k: v for k, v in kw.items() if k not in fields})
+    return EnvironmentSource(server, make, sampling=SamplingParams(**sampling), **options)
 
 
 def run(source: EnvironmentSource, i: int = 0) -> Rollout:
@@ -272,7 +277,14 @@ def test_bad_configuration(server: RolloutServer) -> None:
     plain = make_tokenizer()
     plain.chat_template = None
     with pytest.raises(ValueError, match="chat template"):
-        EnvironmentSource(server, env, tokenizer=plain, max_turns=1, max_context=64, max_tokens=1)
+        EnvironmentSource(
+            server,
+            env,
+            tokenizer=plain,
+            max_turns=1,
+            max_context=64,
+            sampling=SamplingParams(max_tokens=1),
+        )
 
 
 @pytest.mark.timeout(180)
@@ -295,3 +307,54 @@ def test_guess_environment_end_to_end(server: RolloutServer) -> None:
         assert (r.components["solved"] == 1.0) == (r.status is Status.COMPLETED)
     assert merge_ratio(rollouts) == 1.0
     assert np.isfinite([r.reward for r in rollouts]).all()
+
+
+class Routed:
+    """The server, noting the affinity of every call (a fleet routes on it)."""
+
+    def __init__(self, server: RolloutServer) -> None:
+        self.server = server
+        self.version = server.version
+        self.max_len = server.max_len
+        self.affinities: list[object] = []
+
+    def submit(self, prompt: Any, params: SamplingParams, **kw: Any) -> Any:
+        self.affinities.append(kw.get("affinity"))
+        return self.server.submit(prompt, params, **kw)
+
+    def generate(self, prompt: Any, params: SamplingParams, **kw: Any) -> Any:
+        return self.submit(prompt, params, **kw).result()
+
+    def abort(self, future: Any) -> None:
+        self.server.abort(future)
+
+
+def test_every_turn_carries_the_group_as_affinity(server: RolloutServer) -> None:
+    engine = Routed(server)
+    with source_for(engine, lambda: Scripted(["more", "more", None])) as source:  # type: ignore[arg-type]
+        r = source.start(Task("0"), RolloutKey(4, 1, 0)).result(timeout=WAIT)
+    assert len(r.calls) == 3 and engine.affinities == [4, 4, 4]
+
+
+class Lossy(Routed):
+    """Serves the first call, then loses every request to a fault."""
+
+    def submit(self, prompt: Any, params: SamplingParams, **kw: Any) -> Any:
+        from concurrent.futures import Future
+
+        from dew.core import Call, EngineError
+
+        if not self.affinities:
+            return super().submit(prompt, params, **kw)
+        self.affinities.append(kw.get("affinity"))
+        future: Future[Call] = Future()
+        future.set_exception(EngineError("engine died"))
+        return future
+
+
+def test_a_call_lost_to_a_fault_is_an_infra_error(server: RolloutServer) -> None:
+    engine = Lossy(server)
+    with source_for(engine, lambda: Scripted(["more", None])) as source:  # type: ignore[arg-type]
+        r = run(source)
+    assert r.status is Status.INFRA_ERROR and r.reward is None
+    assert r.error == "engine: EngineError: engine died" and len(r.calls) == 1

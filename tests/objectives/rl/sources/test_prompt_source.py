@@ -10,8 +10,8 @@ from typing import Any
 import pytest
 import torch
 
+from dew.core import Call, RolloutKey, SamplingParams, Status, Task
 from dew.demo.model import make_model, make_tokenizer
-from dew.objectives.rl.sessions import Call, RolloutKey, Status, Task
 from dew.objectives.rl.sources import PromptSource
 from dew.serving import RolloutServer
 
@@ -26,27 +26,9 @@ def server() -> Iterator[RolloutServer]:
     srv.close()
 
 
-class GenerateOnly:
-    """The server behind an engine that has ``generate`` but no ``submit``, so the
-    source takes its thread-per-rollout path."""
-
-    def __init__(self, server: RolloutServer) -> None:
-        self._server = server
-        self.generate = server.generate
-
-    @property
-    def version(self) -> int:
-        return self._server.version
-
-    @property
-    def eos_token_ids(self) -> tuple[int, ...]:
-        return self._server.eos_token_ids
-
-
-@pytest.fixture(params=["submit", "generate"])
-def engine(request: pytest.FixtureRequest, server: RolloutServer) -> Any:
-    """Each source test runs on both of PromptSource's paths."""
-    return server if request.param == "submit" else GenerateOnly(server)
+@pytest.fixture
+def engine(server: RolloutServer) -> Any:
+    return server
 
 
 def key(i: int = 0) -> RolloutKey:
@@ -79,7 +61,10 @@ def test_stop_token_completes_and_the_verifier_sees_ids_without_it(
     verifier = Recorder(0.75)
     everything = range(server.vocab_size)  # any first token stops
     with PromptSource(
-        engine, [[7, 8, 9], (10, 11)], verifier, max_tokens=5, stop_ids=everything
+        engine,
+        [[7, 8, 9], (10, 11)],
+        verifier,
+        sampling=SamplingParams(max_tokens=5, stop_ids=everything),
     ) as source:
         rollout = run_one(source, "1")
     assert rollout.status is Status.COMPLETED and rollout.truncation is None
@@ -93,7 +78,9 @@ def test_stop_token_completes_and_the_verifier_sees_ids_without_it(
 
 def test_max_tokens_truncates_and_is_still_scored(engine: Any) -> None:
     verifier = Recorder({"format": 0.25, "answer": 0.5})
-    with PromptSource(engine, [[5, 6]], verifier, max_tokens=4, stop_ids=()) as source:
+    with PromptSource(
+        engine, [[5, 6]], verifier, sampling=SamplingParams(max_tokens=4, stop_ids=())
+    ) as source:
         rollout = run_one(source)
     assert rollout.status is Status.TRUNCATED and rollout.truncation == "length"
     assert rollout.reward == 0.75
@@ -107,7 +94,9 @@ def test_max_tokens_truncates_and_is_still_scored(engine: Any) -> None:
     [RuntimeError("grader crashed"), float("nan"), "1.0", {"a": float("inf")}, {"a": "x"}, {}],
 )
 def test_verifier_failure_is_infra_error_without_reward(engine: Any, bad: Any) -> None:
-    with PromptSource(engine, [[5, 6]], Recorder(bad), max_tokens=2) as source:
+    with PromptSource(
+        engine, [[5, 6]], Recorder(bad), sampling=SamplingParams(max_tokens=2)
+    ) as source:
         rollout = run_one(source)
     assert rollout.status is Status.INFRA_ERROR
     assert rollout.reward is None and dict(rollout.components) == {}
@@ -119,7 +108,9 @@ def test_verifier_failure_is_infra_error_without_reward(engine: Any, bad: Any) -
 
 @pytest.mark.timeout(120)
 def test_cancel_aborts_the_generation(engine: Any, server: RolloutServer) -> None:
-    with PromptSource(engine, [[5, 6]], Recorder(1.0), max_tokens=1000, stop_ids=()) as source:
+    with PromptSource(
+        engine, [[5, 6]], Recorder(1.0), sampling=SamplingParams(max_tokens=1000, stop_ids=())
+    ) as source:
         session = source.start(Task("0"), key())
         deadline = time.monotonic() + WAIT
         while server.stats()["active"] == 0:  # wait for the request to reach the engine
@@ -137,10 +128,16 @@ def test_text_prompts_and_chat_template(engine: Any) -> None:
         "12+3=",
         [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}],
     ]
-    with PromptSource(engine, prompts[:1], verifier, tokenizer=TOK, max_tokens=3) as source:
-        assert source.stop_ids == [TOK.eos_token_id]
     with PromptSource(
-        engine, prompts[:1], verifier, tokenizer=TOK, max_tokens=3, stop_ids=()
+        engine, prompts[:1], verifier, tokenizer=TOK, sampling=SamplingParams(max_tokens=3)
+    ) as source:
+        assert source.sampling.stop_ids == (TOK.eos_token_id,)
+    with PromptSource(
+        engine,
+        prompts[:1],
+        verifier,
+        tokenizer=TOK,
+        sampling=SamplingParams(max_tokens=3, stop_ids=()),
     ) as source:
         rollout = run_one(source)
     assert list(rollout.calls[0].prompt) == TOK("12+3=")["input_ids"]
@@ -150,7 +147,12 @@ def test_text_prompts_and_chat_template(engine: Any) -> None:
     assert text == TOK.decode(list(rollout.calls[0].completion), skip_special_tokens=False)
 
     with PromptSource(
-        engine, prompts, verifier, tokenizer=TOK, chat_template=True, max_tokens=3
+        engine,
+        prompts,
+        verifier,
+        tokenizer=TOK,
+        chat_template=True,
+        sampling=SamplingParams(max_tokens=3),
     ) as source:
         first = run_one(source, "0")
         second = run_one(source, "1")
@@ -181,7 +183,9 @@ def test_any_sequence_of_prompts_and_array_prompts(engine: Any) -> None:
     import numpy as np
 
     prompts = Column([np.array([5, 6, 7]), torch.tensor([8, 9])])
-    with PromptSource(engine, prompts, Recorder(0.0), max_tokens=2) as source:
+    with PromptSource(
+        engine, prompts, Recorder(0.0), sampling=SamplingParams(max_tokens=2)
+    ) as source:
         assert list(run_one(source, "0").calls[0].prompt) == [5, 6, 7]
         assert list(run_one(source, "1").calls[0].prompt) == [8, 9]
 
@@ -191,37 +195,61 @@ def test_dataset_column_prompts(engine: Any) -> None:
 
     table = datasets.Dataset.from_dict({"prompt": ["12=", "345="]})
     with PromptSource(
-        engine, table["prompt"], Recorder(0.0), tokenizer=TOK, max_tokens=2
+        engine, table["prompt"], Recorder(0.0), tokenizer=TOK, sampling=SamplingParams(max_tokens=2)
     ) as source:
         assert list(run_one(source, "1").calls[0].prompt) == TOK("345=")["input_ids"]
 
 
 def test_bad_task_ids_and_configuration(engine: Any) -> None:
-    with PromptSource(engine, [[5]], Recorder(0.0), max_tokens=2) as source:
+    with PromptSource(
+        engine, [[5]], Recorder(0.0), sampling=SamplingParams(max_tokens=2)
+    ) as source:
         for bad in ("1", "-1", "x", "0.5"):
             with pytest.raises(ValueError, match=r"rollout\(group=0, sample=3, attempt=0\)"):
                 source.start(Task(bad), key(3))
     with pytest.raises(ValueError, match="max_tokens"):
-        PromptSource(engine, [[5]], Recorder(0.0), max_tokens=0)
+        PromptSource(engine, [[5]], Recorder(0.0), sampling=SamplingParams(max_tokens=0))
     with pytest.raises(ValueError, match="tokenizer"):
-        PromptSource(engine, ["x"], Recorder(0.0), chat_template=True, max_tokens=1)
+        PromptSource(
+            engine, ["x"], Recorder(0.0), chat_template=True, sampling=SamplingParams(max_tokens=1)
+        )
     with pytest.raises(ValueError, match="top_p"):
-        PromptSource(engine, [[5]], Recorder(0.0), max_tokens=1, top_p=0.0)
-    with PromptSource(engine, ["text"], Recorder(0.0), max_tokens=1) as source:
+        PromptSource(engine, [[5]], Recorder(0.0), sampling=SamplingParams(max_tokens=1, top_p=0.0))
+    with PromptSource(
+        engine, ["text"], Recorder(0.0), sampling=SamplingParams(max_tokens=1)
+    ) as source:
         with pytest.raises(ValueError, match="need a tokenizer"):
             source.start(Task("0"), key()).result(timeout=WAIT)
 
 
-def test_defaults_to_the_served_models_eos(engine: Any, server: RolloutServer) -> None:
-    with PromptSource(engine, [[5]], Recorder(0.0), max_tokens=1) as source:
-        assert source.stop_ids == list(server.eos_token_ids)
+def test_defaults_to_the_served_models_eos() -> None:
+    model = make_model("qwen2", "tiny", seed=2)
+    with torch.no_grad():  # livelier than the default init, so greedy does not repeat
+        for p in model.parameters():
+            p.mul_(3.0)
+    greedy = SamplingParams(max_tokens=6, temperature=0)
+    with RolloutServer(model) as server:
+        full = list(server.generate([5, 6], greedy, stop=None).completion)
+    model.config.eos_token_id = full[2]  # the served model's end-of-sequence id
+    model.generation_config.eos_token_id = full[2]
+    with (
+        RolloutServer(model) as server,
+        PromptSource(server, [[5, 6]], Recorder(0.0), sampling=greedy) as source,
+    ):
+        assert source.sampling.stop_ids is None  # no tokenizer: the engine's eos applies
+        rollout = run_one(source)
+    call = rollout.calls[0]
+    assert list(call.completion) == full[: full.index(full[2]) + 1]
+    assert call.finish_reason == "stop" and rollout.status is Status.COMPLETED
 
 
 @pytest.mark.timeout(120)
 def test_many_sessions_at_once(engine: Any) -> None:
     prompts = [[6 + i % 40, 7, 8] for i in range(40)]
     verifier = Recorder(0.5)
-    with PromptSource(engine, prompts, verifier, max_tokens=6, top_k=10, workers=16) as source:
+    with PromptSource(
+        engine, prompts, verifier, workers=16, sampling=SamplingParams(max_tokens=6, top_k=10)
+    ) as source:
         sessions = [source.start(Task(str(i)), key(i)) for i in range(40)]
         rollouts = [s.result(timeout=WAIT) for s in sessions]
     assert {r.status for r in rollouts} <= {Status.COMPLETED, Status.TRUNCATED}
@@ -237,12 +265,14 @@ class Counting:
         self._server = server
         self.version = server.version
         self.finished = 0
+        self.affinities: list[object] = []
         self._lock = threading.Lock()
 
     def generate(self, *args: Any, **kwargs: Any) -> Call:
         raise AssertionError("the submit path must not block in generate")
 
     def submit(self, *args: Any, **kwargs: Any) -> Any:
+        self.affinities.append(kwargs.get("affinity"))
         future = self._server.submit(*args, **kwargs)
         future.add_done_callback(self._count)
         return future
@@ -265,7 +295,9 @@ def test_submit_path_generates_everything_while_the_only_worker_verifies(
         return 1.0
 
     engine = Counting(server)
-    with PromptSource(engine, [[5, 6, 7]], slow, max_tokens=3, stop_ids=(), workers=1) as source:
+    with PromptSource(
+        engine, [[5, 6, 7]], slow, workers=1, sampling=SamplingParams(max_tokens=3, stop_ids=())
+    ) as source:
         sessions = [source.start(Task("0"), key(i)) for i in range(8)]
         deadline = time.monotonic() + WAIT
         # One pool thread, stuck in the first verifier: the generations go on without it.
@@ -281,7 +313,9 @@ def test_submit_path_generates_everything_while_the_only_worker_verifies(
 
 @pytest.mark.timeout(120)
 def test_close_waits_for_sessions_still_in_the_engine(engine: Any, server: RolloutServer) -> None:
-    source = PromptSource(engine, [[5, 6]], Recorder(1.0), max_tokens=1000, stop_ids=())
+    source = PromptSource(
+        engine, [[5, 6]], Recorder(1.0), sampling=SamplingParams(max_tokens=1000, stop_ids=())
+    )
     session = source.start(Task("0"), key())
     deadline = time.monotonic() + WAIT
     while server.stats()["active"] == 0:
@@ -295,11 +329,12 @@ def test_close_waits_for_sessions_still_in_the_engine(engine: Any, server: Rollo
         source.start(Task("0"), key(1))
 
 
-@pytest.mark.parametrize("wrap", [lambda s: s, GenerateOnly], ids=["submit", "generate"])
-def test_a_closed_engine_raises_out_of_the_session(wrap: Any) -> None:
+def test_a_closed_engine_raises_out_of_the_session() -> None:
     closed = RolloutServer(make_model("qwen2", "tiny", seed=2), seed=0)
     closed.close()
-    with PromptSource(wrap(closed), [[5]], Recorder(1.0), max_tokens=2) as source:
+    with PromptSource(
+        closed, [[5]], Recorder(1.0), sampling=SamplingParams(max_tokens=2)
+    ) as source:
         session = source.start(Task("0"), key())
         with pytest.raises(RuntimeError, match="closed"):
             session.result(timeout=WAIT)
@@ -317,7 +352,13 @@ def test_cancels_and_close_racing_the_engine_resolve_each_session_once(
             calls[id(session)] = calls.get(id(session), 0) + 1
 
     prompts = [[5 + i % 30, 6] for i in range(48)]
-    source = PromptSource(engine, prompts, Recorder(0.5), max_tokens=40, stop_ids=(), workers=4)
+    source = PromptSource(
+        engine,
+        prompts,
+        Recorder(0.5),
+        workers=4,
+        sampling=SamplingParams(max_tokens=40, stop_ids=()),
+    )
     sessions = []
     for i in range(48):
         s = source.start(Task(str(i)), key(i))
@@ -336,3 +377,40 @@ def test_cancels_and_close_racing_the_engine_resolve_each_session_once(
     assert all(statuses[i] is Status.CANCELLED for i in range(0, 48, 3))
     stats = server.stats()
     assert (stats["pending"], stats["active"]) == (0, 0)
+
+
+def test_the_group_is_the_routing_affinity(server: RolloutServer) -> None:
+    engine = Counting(server)
+    with PromptSource(
+        engine, [[5, 6]], Recorder(1.0), sampling=SamplingParams(max_tokens=2)
+    ) as source:
+        for group in (3, 3, 8):
+            source.start(Task("0"), RolloutKey(group, 0, 0)).result(timeout=WAIT)
+    assert engine.affinities == [3, 3, 8]
+
+
+class Lossy:
+    """An engine that loses every request to a fault, as a dead fleet member does."""
+
+    version = 0
+
+    def submit(self, *args: Any, **kwargs: Any) -> Any:
+        from concurrent.futures import Future
+
+        from dew.core import EngineError
+
+        future: Future[Call] = Future()
+        future.set_exception(EngineError("engine http://127.0.0.1:1 died"))
+        return future
+
+    def abort(self, future: Any) -> None:
+        pass
+
+
+def test_a_request_lost_to_a_fault_is_an_infra_error() -> None:
+    with PromptSource(
+        Lossy(), [[5]], Recorder(1.0), sampling=SamplingParams(max_tokens=2)
+    ) as source:  # type: ignore[arg-type]
+        rollout = run_one(source)
+    assert rollout.status is Status.INFRA_ERROR and rollout.reward is None
+    assert rollout.error == "engine: EngineError: engine http://127.0.0.1:1 died"

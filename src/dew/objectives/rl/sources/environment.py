@@ -14,7 +14,7 @@ An optional ``close()`` is called once the rollout ends, whatever happened.
 
 Turn by turn, the prompt grows token-exactly: the next prompt is the previous prompt,
 the completion, and the chat-template tokens of only the new messages (see
-:mod:`dew.objectives.rl.sources._common`), so a rollout's calls merge into one chain.
+:mod:`dew.objectives.rl.sources.chat`), so a rollout's calls merge into one chain.
 
 Outcomes:
 
@@ -25,14 +25,15 @@ Outcomes:
   calls made and the episode goes on), ``"context"`` (the next prompt plus one token
   would not fit ``max_context``, or the reply was cut short by it) or ``"wall_clock"``
   (``wall_clock`` seconds since the rollout began, checked between steps);
+* the engine lost a call to a fault (:class:`~dew.core.EngineError`): ``INFRA_ERROR``;
 * any other exception from ``reset``, ``step``, ``score`` or ``close`` (or an opening
   prompt that does not fit ``max_context``): ``INFRA_ERROR`` with the error text and no
   reward;
 * the session is cancelled: ``CANCELLED``. ``stop`` is checked between steps and handed
-  to ``generate``, which aborts within one engine iteration; a step in progress is not
+  to the engine, which drops the request within one iteration; a step in progress is not
   interrupted, so environments bound their own step time.
 
-A reply cut by ``max_tokens`` (not by the context) is handed to the environment like any
+A reply cut by ``sampling.max_tokens`` (not by the context) is handed to the environment like any
 other: it judges what an unfinished reply is worth.
 """
 
@@ -40,13 +41,25 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Collection, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import replace
 from typing import Any, Protocol, runtime_checkable
 
-from dew.objectives.rl.sessions import Call, Rollout, RolloutKey, Status, Task, ThreadedSource
-from dew.objectives.rl.sources._common import ChatTokens, Engine, error_text, parse_reward
-from dew.objectives.rl.sources.prompts import check_sampling, default_stop_ids
-from dew.serving import Aborted
+from dew.core import (
+    Aborted,
+    Call,
+    Engine,
+    EngineError,
+    Rollout,
+    RolloutKey,
+    SamplingParams,
+    Status,
+    Task,
+    ThreadedSource,
+    error_text,
+    parse_reward,
+)
+from dew.objectives.rl.sources.chat import ChatTokens, resolve_stop_ids
 
 __all__ = ["AgentError", "Environment", "EnvironmentSource", "Observation"]
 
@@ -94,18 +107,14 @@ class EnvironmentSource(ThreadedSource):
 
     def __init__(
         self,
-        server: Engine,
+        engine: Engine,
         make_env: Callable[[], Environment],
         *,
         tokenizer: Any,
+        sampling: SamplingParams,
         max_turns: int,
         max_context: int,
         wall_clock: float | None = None,
-        max_tokens: int,
-        temperature: float = 1.0,
-        top_k: int | None = None,
-        top_p: float | None = None,
-        stop_ids: Collection[int] | None = None,
         workers: int = 8,
     ) -> None:
         if not callable(make_env):
@@ -114,34 +123,28 @@ class EnvironmentSource(ThreadedSource):
             raise ValueError(f"max_turns must be an int >= 1, got {max_turns!r}")
         if isinstance(max_context, bool) or not isinstance(max_context, int) or max_context < 2:
             raise ValueError(f"max_context must be an int >= 2, got {max_context!r}")
-        server_max = getattr(server, "max_len", None)
-        if server_max is not None and max_context > server_max:
-            raise ValueError(f"max_context={max_context} exceeds the engine's max_len={server_max}")
+        # max_len is optional in the engine contract: an engine that knows its context says.
+        engine_max = getattr(engine, "max_len", None)
+        if engine_max is not None and max_context > engine_max:
+            raise ValueError(f"max_context={max_context} exceeds the engine's max_len={engine_max}")
         if wall_clock is not None and not wall_clock > 0:
             raise ValueError(f"wall_clock must be > 0 seconds or None, got {wall_clock!r}")
-        check_sampling(max_tokens, temperature, top_k, top_p)
+        self.sampling = resolve_stop_ids(sampling, tokenizer)
         super().__init__(workers=workers)
-        self.server = server
+        self.engine = engine
         self.make_env = make_env
         self.tokenizer = tokenizer
         self.chat = ChatTokens(tokenizer)
         self.max_turns = max_turns
         self.max_context = max_context
         self.wall_clock = wall_clock
-        self.max_tokens = max_tokens
-        self.temperature = temperature
-        self.top_k = top_k
-        self.top_p = top_p
-        self.stop_ids = (
-            default_stop_ids(server, tokenizer) if stop_ids is None else [int(t) for t in stop_ids]
-        )
 
     def run(self, task: Task, key: RolloutKey, stop: threading.Event) -> Rollout:
         calls: list[Call] = []
         env: Environment | None = None
         try:
             env = self.make_env()
-            outcome = self._episode(env, task, stop, calls)
+            outcome = self._episode(env, task, key, stop, calls)
         except _Outcome as out:
             outcome = out
         except Exception as exc:  # the environment broke: recorded, never a reward
@@ -178,7 +181,12 @@ class EnvironmentSource(ThreadedSource):
         )
 
     def _episode(
-        self, env: Environment, task: Task, stop: threading.Event, calls: list[Call]
+        self,
+        env: Environment,
+        task: Task,
+        key: RolloutKey,
+        stop: threading.Event,
+        calls: list[Call],
     ) -> _Outcome:
         deadline = None if self.wall_clock is None else time.monotonic() + self.wall_clock
         prompt = self.chat.first(_messages(env.reset(task), "reset"))
@@ -192,21 +200,16 @@ class EnvironmentSource(ThreadedSource):
                         f"max_context={self.max_context} leaves no room to reply"
                     )
                 raise _Outcome(Status.TRUNCATED, "context")
-            budget = min(self.max_tokens, room)
+            full = self.sampling.max_tokens
+            params = self.sampling if room >= full else replace(self.sampling, max_tokens=room)
             try:
-                call = self.server.generate(
-                    prompt,
-                    max_tokens=budget,
-                    temperature=self.temperature,
-                    top_k=self.top_k,
-                    top_p=self.top_p,
-                    stop_ids=self.stop_ids,
-                    stop=stop,
-                )
+                call = self.engine.generate(prompt, params, stop=stop, affinity=key.group)
             except Aborted:
                 raise _Outcome(Status.CANCELLED, error="cancelled") from None
+            except EngineError as exc:  # lost to a fault: the sample runs again
+                raise _Outcome(Status.INFRA_ERROR, error=f"engine: {error_text(exc)}") from None
             calls.append(call)
-            if call.finish_reason == "length" and budget < self.max_tokens:
+            if call.finish_reason == "length" and params.max_tokens < full:
                 raise _Outcome(Status.TRUNCATED, "context")
             completion = [int(t) for t in call.completion]
             stopped = call.finish_reason == "stop"

@@ -9,27 +9,27 @@ The verifier is called as ``verifier(task, completion, call)``:
 
 * ``completion`` is the completion without its stop token: decoded text when the source
   has a tokenizer, else the token ids;
-* ``call`` is the full :class:`~dew.objectives.rl.sessions.Call` (raw ids with the stop
-  token, ``finish_reason``, log-probs, version);
+* ``call`` is the full :class:`~dew.core.Call` (raw ids with the stop token,
+  ``finish_reason``, log-probs, version);
 
 and returns a float, or a mapping of named reward parts whose sum is the reward (the
 parts are kept as the rollout's ``components``).
 
 Outcomes: the engine stopping on a stop token gives ``COMPLETED``; reaching
-``max_tokens`` gives ``TRUNCATED`` with ``truncation="length"``, still scored (the
+``sampling.max_tokens`` gives ``TRUNCATED`` with ``truncation="length"``, still scored (the
 scheduler's truncation policy decides what that score is worth). A verifier that
 raises or returns something that is not a finite number gives ``INFRA_ERROR`` with the
-error text and no reward. A cancelled session gives ``CANCELLED``. An engine that is
-closed or broken raises out of the session: that is not a property of the rollout.
+error text and no reward. A cancelled session gives ``CANCELLED``. A request the engine
+lost to a fault (:class:`~dew.core.EngineError`, say a fleet member that died) gives
+``INFRA_ERROR``, so the scheduler runs the sample again. An engine that is closed or
+broken raises out of the session: that is not a property of the rollout.
 
-Concurrency: with an engine that offers ``submit`` (a future of the call, as
-:class:`~dew.serving.RolloutServer` does), ``start`` encodes the prompt and submits it
-on the caller's thread, and no thread waits on the generation. When the future
-resolves (on the engine's thread), the verifier is handed to the
-:class:`~dew.objectives.rl.sessions.ThreadedSource` pool, so a slow verifier never
-holds the engine; an abort or engine failure resolves the session right there. With
-an engine that only has ``generate``, each rollout runs on the pool and blocks in it.
-Either way the continuous batching is where the concurrency pays off, and the
+Concurrency: ``start`` encodes the prompt and submits it to the engine
+(:class:`dew.core.Engine`) on the caller's thread, and no thread waits on the
+generation. When the future resolves (on the engine's thread), the verifier is handed
+to the :class:`~dew.core.ThreadedSource` pool, so a slow verifier never holds the
+engine; an abort or engine failure resolves the session right there. Cancelling a
+session sets its stop event, which the engine sees at its next iteration. The
 invariants of ``ThreadedSource`` hold (``close()`` waits for sessions resolved off the
 pool too). The source holds no mutable state of its own besides the prompt cache,
 which is filled under a lock.
@@ -38,58 +38,44 @@ which is filled under a lock.
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Collection, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future
 from functools import partial
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from dew.objectives.rl.sessions import (
+from dew.core import (
+    Aborted,
     Call,
+    Engine,
+    EngineError,
     Rollout,
     RolloutKey,
+    SamplingParams,
+    Session,
     Status,
     Task,
+    ThreadedSession,
     ThreadedSource,
-    _cancelled_rollout,
-)
-from dew.objectives.rl.sources._common import (
-    ChatTokens,
-    Engine,
+    cancelled_rollout,
     error_text,
     parse_reward,
-    token_ids,
 )
-from dew.serving import Aborted
-
-if TYPE_CHECKING:
-    from dew.objectives.rl.sessions import _ThreadedSession
+from dew.objectives.rl.sources.chat import ChatTokens, resolve_stop_ids
 
 __all__ = ["PromptSource", "Verifier"]
 
 Verifier = Callable[[Task, "str | list[int]", Call], "float | Mapping[str, float]"]
 
 
-def default_stop_ids(server: object, tokenizer: Any) -> list[int]:
-    """The tokenizer's end-of-sequence id, else the served model's (when it says)."""
-    eos = getattr(tokenizer, "eos_token_id", None) if tokenizer is not None else None
-    if eos is None:
-        eos = getattr(server, "eos_token_ids", None)
-    if eos is None:
-        return []
-    return [int(eos)] if isinstance(eos, int) else [int(t) for t in eos]
-
-
-def check_sampling(
-    max_tokens: int, temperature: float, top_k: int | None, top_p: float | None
-) -> None:
-    if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
-        raise ValueError(f"max_tokens must be an int >= 1, got {max_tokens!r}")
-    if not temperature >= 0:
-        raise ValueError(f"temperature must be >= 0, got {temperature!r}")
-    if top_k is not None and top_k < 1:
-        raise ValueError(f"top_k must be >= 1 or None, got {top_k!r}")
-    if top_p is not None and not 0 < top_p <= 1:
-        raise ValueError(f"top_p must be in (0, 1] or None, got {top_p!r}")
+def token_ids(value: object, name: str) -> list[int]:
+    """Token ids from a list, tuple, numpy array or tensor."""
+    items = value.tolist() if hasattr(value, "tolist") else value
+    if not isinstance(items, Sequence) or isinstance(items, (str, bytes)):
+        raise ValueError(f"{name} must be token ids, got {type(value).__name__}")
+    try:
+        return [int(t) for t in items]
+    except (TypeError, ValueError):
+        raise ValueError(f"{name} must be token ids (ints)") from None
 
 
 def task_index(task: Task, key: RolloutKey, size: int) -> int:
@@ -108,17 +94,13 @@ class PromptSource(ThreadedSource):
 
     def __init__(
         self,
-        server: Engine,
+        engine: Engine,
         prompts: Sequence[Any],
         verifier: Verifier,
         *,
+        sampling: SamplingParams,
         tokenizer: Any = None,
         chat_template: bool = False,
-        max_tokens: int,
-        temperature: float = 1.0,
-        top_k: int | None = None,
-        top_p: float | None = None,
-        stop_ids: Collection[int] | None = None,
         workers: int = 8,
     ) -> None:
         if not hasattr(prompts, "__getitem__") or not hasattr(prompts, "__len__"):
@@ -127,53 +109,41 @@ class PromptSource(ThreadedSource):
             raise ValueError("verifier must be callable as verifier(task, completion, call)")
         if chat_template and tokenizer is None:
             raise ValueError("chat_template=True needs a tokenizer")
-        check_sampling(max_tokens, temperature, top_k, top_p)
+        self.sampling = resolve_stop_ids(sampling, tokenizer)
         super().__init__(workers=workers)
-        self.server = server
+        self.engine = engine
         self.prompts = prompts
         self.verifier = verifier
         self.tokenizer = tokenizer
-        self.max_tokens = max_tokens
-        self.temperature = temperature
-        self.top_k = top_k
-        self.top_p = top_p
-        self.stop_ids = (
-            default_stop_ids(server, tokenizer) if stop_ids is None else [int(t) for t in stop_ids]
-        )
         self._chat = ChatTokens(tokenizer) if chat_template else None
         self._encoded: dict[int, list[int]] = {}
         self._encoded_lock = threading.Lock()
 
-    def start(self, task: Task, key: RolloutKey) -> Any:
+    def start(self, task: Task, key: RolloutKey) -> Session:
         index = task_index(task, key, len(self.prompts))  # a bad id is the caller's bug
-        submit = getattr(self.server, "submit", None)
-        if not callable(submit):
-            return super().start(task, key)
-        session = self._open(task, key)
-        session.future.set_running_or_notify_cancel()  # resolved by the engine's answer
+        session = self.begin(task, key)
         try:
-            pending = self._ask(submit, index, session.stop)
+            pending = self.engine.submit(
+                self.prompt_ids(index), self.sampling, stop=session.stop, affinity=key.group
+            )
         except BaseException as exc:  # resolves the session as run() raising would
-            self._settle(session, partial(_reraise, exc))
+            self.settle(session, partial(_reraise, exc))
             return session
         pending.add_done_callback(partial(self._generated, session))
         return session
 
-    def _generated(self, session: _ThreadedSession, pending: Future[Call]) -> None:
+    def _generated(self, session: ThreadedSession, pending: Future[Call]) -> None:
         """The engine answered (on its thread): score on the pool, or resolve now."""
         error = pending.exception()
-        cancelled = partial(_cancelled_rollout, session.task, session.key)
         if isinstance(error, Aborted):
-            self._settle(session, cancelled)
+            self.settle(session, partial(cancelled_rollout, session.task, session.key))
+        elif isinstance(error, EngineError):  # lost to a fault: the sample runs again
+            self.settle(session, partial(_lost, session.task, session.key, error))
         elif error is not None:  # a closed or broken engine is not the rollout's doing
-            self._settle(session, partial(_reraise, error))
+            self.settle(session, partial(_reraise, error))
         else:
             call = pending.result()
-            score = partial(self._score, session.task, session.key, call)
-            try:
-                self._pool.submit(self._settle, session, score)
-            except RuntimeError:  # close() shut the pool after stopping this session
-                self._settle(session, cancelled)
+            self.settle_on_pool(session, partial(self._score, session.task, session.key, call))
 
     def prompt_ids(self, index: int) -> list[int]:
         """Token ids of prompt ``index`` (encoded once, then cached)."""
@@ -211,27 +181,6 @@ class PromptSource(ThreadedSource):
             return ids
         return self.tokenizer.decode(ids, skip_special_tokens=False)
 
-    def run(self, task: Task, key: RolloutKey, stop: threading.Event) -> Rollout:
-        """One rollout on a pool thread (engines without ``submit``)."""
-        try:
-            call = self._ask(self.server.generate, task_index(task, key, len(self.prompts)), stop)
-        except Aborted:
-            return _cancelled_rollout(task, key)
-        return self._score(task, key, call)
-
-    def _ask(self, method: Callable[..., Any], index: int, stop: threading.Event) -> Any:
-        """``method`` (the engine's ``generate`` or ``submit``) on prompt ``index`` with
-        the source's sampling settings."""
-        return method(
-            self.prompt_ids(index),
-            max_tokens=self.max_tokens,
-            temperature=self.temperature,
-            top_k=self.top_k,
-            top_p=self.top_p,
-            stop_ids=self.stop_ids,
-            stop=stop,
-        )
-
     def _score(self, task: Task, key: RolloutKey, call: Call) -> Rollout:
         """The verifier's verdict on one finished call, as a rollout."""
         try:
@@ -255,6 +204,12 @@ class PromptSource(ThreadedSource):
             components=parts,
             truncation="length" if truncated else None,
         )
+
+
+def _lost(task: Task, key: RolloutKey, error: EngineError) -> Rollout:
+    return Rollout(
+        key=key, task=task, status=Status.INFRA_ERROR, error=f"engine: {error_text(error)}"
+    )
 
 
 def _reraise(error: BaseException) -> Rollout:

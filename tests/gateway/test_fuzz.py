@@ -11,9 +11,9 @@ import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
+from dew.core import Rollout, RolloutKey, SamplingParams, Status, Task
 from dew.demo.model import make_model, make_tokenizer
-from dew.objectives.rl.sessions import Rollout, RolloutKey, Status, Task
-from dew.objectives.rl.sources.gateway import RecordingGateway
+from dew.gateway import RecordingGateway
 from dew.serving import RolloutServer
 
 TOK = make_tokenizer()
@@ -30,7 +30,7 @@ def gateway() -> Iterator[RecordingGateway]:
             server,
             TOK,
             max_body_bytes=LIMIT,
-            max_tokens_per_call=2,
+            sampling=SamplingParams(max_tokens=2),
             max_n=MAX_N,
             max_turns=None,
             max_tokens_per_session=None,

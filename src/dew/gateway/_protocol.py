@@ -24,7 +24,7 @@ __all__ = [
     "ChatRequest",
     "CompletionRequest",
     "RequestError",
-    "Sampling",
+    "RequestSampling",
     "error_body",
     "parse_chat",
     "parse_completion",
@@ -188,8 +188,12 @@ def _no_alternatives(v: object) -> bool:
 
 
 @dataclass(frozen=True)
-class Sampling:
-    """What a request asks of the engine. ``None`` means: the gateway's setting."""
+class RequestSampling:
+    """What a request asks of the engine. ``None`` means: the gateway's setting.
+
+    The request's side only: the gateway turns it, with its own defaults, into the
+    :class:`dew.core.SamplingParams` the engine gets (``_app``).
+    """
 
     max_tokens: int | None = None
     temperature: float | None = None
@@ -215,7 +219,7 @@ def _top_k(v: object) -> int | None:
     return v
 
 
-# field name -> (Sampling attribute or None when only validated, validator)
+# field name -> (RequestSampling attribute or None when only validated, validator)
 _SAMPLING_FIELDS: Mapping[str, tuple[str | None, Callable[[object], Any]]] = {
     "max_tokens": ("max_tokens", _int_in("max_tokens", 1)),
     "temperature": ("temperature", _number_in("temperature", 0.0, 2.0)),
@@ -236,7 +240,7 @@ _SAMPLING_FIELDS: Mapping[str, tuple[str | None, Callable[[object], Any]]] = {
 }
 
 
-def _sampling(body: Mapping[str, Any], extra: Mapping[str, Any], max_n: int) -> Sampling:
+def _sampling(body: Mapping[str, Any], extra: Mapping[str, Any], max_n: int) -> RequestSampling:
     values: dict[str, Any] = {}
     for name, (attr, check) in {**_SAMPLING_FIELDS, **extra}.items():
         if name not in body:
@@ -245,7 +249,7 @@ def _sampling(body: Mapping[str, Any], extra: Mapping[str, Any], max_n: int) -> 
         if attr is not None and parsed is not None:
             values[attr] = parsed
     n = _int_in("n", 1, max_n)(body.get("n"))
-    return Sampling(**values, n=1 if n is None else n)
+    return RequestSampling(**values, n=1 if n is None else n)
 
 
 # --------------------------------------------------------------------------- chat
@@ -255,7 +259,7 @@ def _sampling(body: Mapping[str, Any], extra: Mapping[str, Any], max_n: int) -> 
 class ChatRequest:
     messages: tuple[dict[str, Any], ...]
     tools: tuple[dict[str, Any], ...] | None
-    sampling: Sampling
+    sampling: RequestSampling
 
 
 def _content(v: object, param: str) -> str | None:
@@ -373,7 +377,7 @@ def parse_chat(body: object, *, max_n: int) -> ChatRequest:
 @dataclass(frozen=True)
 class CompletionRequest:
     prompt: str | tuple[int, ...]
-    sampling: Sampling
+    sampling: RequestSampling
 
 
 def _prompt(v: object, vocab_size: int) -> str | tuple[int, ...]:

@@ -8,11 +8,11 @@ nor the time a lookup takes depends on how much of a guess was right.
 Invariants (all state is guarded by one lock; every operation holds it briefly and
 never while generating):
 
-* A request is *admitted* before it generates: the session is open, its turn count
-  (requests, counted at admission) is under ``max_turns``, and ``n x max_tokens`` are
+* A request is *granted* before it generates: the session is open, its turn count
+  (requests, counted when granted) is under ``max_turns``, and ``n x max_tokens`` are
   reserved from the session's token budget, clamped to what is left and to the
-  context. Every admission is settled exactly once, by :meth:`SessionTable.record`
-  or :meth:`SessionTable.settle`.
+  context. Every :class:`Grant` ends exactly once, by :meth:`SessionTable.record`
+  or :meth:`SessionTable.release`.
 * A request's choices are recorded together or not at all, and only while the
   session is open and the request was not aborted. Calls are kept in the order they
   were recorded. Nothing is ever recorded for a request refused with 401, 409 or 410.
@@ -33,11 +33,11 @@ import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from dew.objectives.rl.sessions import Call, RolloutKey, Task
-from dew.objectives.rl.sources._gateway_protocol import RequestError
-from dew.objectives.rl.sources._gateway_text import Prefix
+from dew.core import Call, RolloutKey, Task
+from dew.gateway._protocol import RequestError
+from dew.gateway._text import Prefix
 
-__all__ = ["Admission", "Limits", "Recording", "SessionTable"]
+__all__ = ["Grant", "Limits", "Recording", "SessionTable"]
 
 
 @dataclass(frozen=True)
@@ -47,7 +47,7 @@ class Recording:
     ``calls`` in recording order. ``truncation`` is the first session limit that cut
     the agent short (``"turns"``, ``"length"`` for the token budget, ``"context"``),
     ``error`` the first engine failure met while serving it (an infrastructure
-    error, not the agent's). ``turns`` counts admitted requests, ``tokens`` the
+    error, not the agent's). ``turns`` counts granted requests, ``tokens`` the
     recorded completion tokens.
     """
 
@@ -80,7 +80,7 @@ class Limits:
 
 
 @dataclass(eq=False)
-class _Session:
+class _TokenSession:
     key: RolloutKey
     task: Task
     digest: bytes
@@ -98,10 +98,14 @@ class _Session:
 
 
 @dataclass(frozen=True, eq=False)
-class Admission:
-    """One admitted request: its engine budget, abort event and reservation."""
+class Grant:
+    """One request allowed to generate: its token budget, abort event and reservation.
 
-    session: _Session
+    (Named apart from the scheduler's admission of rollouts into groups: a grant is the
+    gateway letting one HTTP request spend its session's turns and tokens.)
+    """
+
+    session: _TokenSession
     max_tokens: int
     cause: str | None  # the session limit that clamped max_tokens, if any
     stop: threading.Event
@@ -123,8 +127,8 @@ class SessionTable:
         self._retain = retain
         self._history = history
         self._lock = threading.Lock()
-        self._by_digest: dict[bytes, _Session] = {}
-        self._latest: dict[tuple[int, int], _Session] = {}
+        self._by_digest: dict[bytes, _TokenSession] = {}
+        self._latest: dict[tuple[int, int], _TokenSession] = {}
         self._tombstones: collections.deque[bytes] = collections.deque()
         self._closed = False
 
@@ -133,7 +137,7 @@ class SessionTable:
     def open(self, task: Task, key: RolloutKey) -> str:
         token = "dew-" + secrets.token_urlsafe(32)
         digest = _digest(token)
-        session = _Session(key=key, task=task, digest=digest)
+        session = _TokenSession(key=key, task=task, digest=digest)
         with self._lock:
             if self._closed:
                 raise RuntimeError("the gateway is closed; no session can be opened")
@@ -172,13 +176,13 @@ class SessionTable:
             for s in self._by_digest.values():
                 self._stop(s)
 
-    def _find(self, token: str) -> _Session:
+    def _find(self, token: str) -> _TokenSession:
         s = self._by_digest.get(_digest(token)) if isinstance(token, str) else None
         if s is None:
             raise ValueError("unknown session token")
         return s
 
-    def _stop(self, s: _Session) -> None:
+    def _stop(self, s: _TokenSession) -> None:
         s.open = False
         for event in s.inflight:
             event.set()
@@ -190,7 +194,7 @@ class SessionTable:
 
     # ------------------------------------------------------------------ requests
 
-    def authenticate(self, authorization: str | None) -> _Session:
+    def authenticate(self, authorization: str | None) -> _TokenSession:
         """The open session an ``Authorization`` header names, or a 401/409/410."""
         scheme, _, token = (authorization or "").partition(" ")
         token = token.strip()
@@ -211,7 +215,7 @@ class SessionTable:
         return s
 
     @staticmethod
-    def _check_open(s: _Session) -> None:
+    def _check_open(s: _TokenSession) -> None:
         if s.superseded:
             raise RequestError(
                 409,
@@ -222,11 +226,11 @@ class SessionTable:
         if not s.open:
             raise RequestError(410, f"{s.key} is closed", code="session_closed", kind="gone_error")
 
-    def history(self, s: _Session) -> tuple[Prefix, ...]:
+    def history(self, s: _TokenSession) -> tuple[Prefix, ...]:
         with self._lock:
             return tuple(s.history)
 
-    def admit(self, s: _Session, *, n: int, requested: int | None, prompt_len: int) -> Admission:
+    def grant(self, s: _TokenSession, *, n: int, requested: int | None, prompt_len: int) -> Grant:
         """Reserve the request's turn and tokens, or refuse it with a 4xx."""
         lim = self.limits
         with self._lock:
@@ -269,16 +273,16 @@ class SessionTable:
             s.turns += 1
             s.reserved += n * budget
             s.inflight.add(stop)
-            return Admission(s, budget, cause, stop, n * budget, tuple(s.history))
+            return Grant(s, budget, cause, stop, n * budget, tuple(s.history))
 
-    def _release(self, a: Admission) -> None:
+    def _unreserve(self, a: Grant) -> None:
         a.session.reserved -= a.reserved
         a.session.inflight.discard(a.stop)
 
-    def record(self, a: Admission, calls: Sequence[Call], prefixes: Sequence[Prefix]) -> bool:
+    def record(self, a: Grant, calls: Sequence[Call], prefixes: Sequence[Prefix]) -> bool:
         """Record all of a request's calls, unless its session closed or it was aborted."""
         with self._lock:
-            self._release(a)
+            self._unreserve(a)
             s = a.session
             if not s.open or a.stop.is_set():
                 return False
@@ -294,20 +298,20 @@ class SessionTable:
                 s.truncation = s.truncation or a.cause
             return True
 
-    def settle(self, a: Admission, *, error: str | None = None) -> None:
-        """Release a request that records nothing; ``error`` marks an engine failure."""
+    def release(self, a: Grant, *, error: str | None = None) -> None:
+        """End a grant that records nothing; ``error`` marks an engine failure."""
         with self._lock:
-            self._release(a)
+            self._unreserve(a)
             if error is not None and a.session.error is None:
                 a.session.error = error
 
-    def fail(self, s: _Session, error: str) -> None:
+    def fail(self, s: _TokenSession, error: str) -> None:
         """Mark the session as failed by the gateway (kept: the first such error)."""
         with self._lock:
             if s.error is None:
                 s.error = error
 
-    def status(self, s: _Session) -> RequestError | None:
+    def status(self, s: _TokenSession) -> RequestError | None:
         """Why the session no longer serves (its 409/410), or None while open."""
         with self._lock:
             try:

@@ -1,13 +1,13 @@
 """Train an unmodified agent harness: an OpenAI-compatible server that records every call.
 
 :class:`RecordingGateway` serves ``/v1/chat/completions`` (with ``stream: true``),
-``/v1/completions`` and ``/v1/models`` over HTTP in front of an engine (anything
-with ``generate`` and ``version``, such as ``dew.serving.RolloutServer``). Each
+``/v1/completions`` and ``/v1/models`` over HTTP in front of an engine (any
+:class:`dew.core.Engine`, such as ``dew.serving.RolloutServer``). Each
 rollout attempt opens a session and receives its own bearer token; the harness
 uses it as its API key. Every call the engine serves for that token is recorded
 token-exactly (prompt ids, completion ids, behavior log-probs, weights version),
 and :meth:`RecordingGateway.close_session` hands the recording over.
-:class:`HarnessSource` (in ``_gateway_harness``) runs a harness per rollout
+:class:`~dew.gateway.HarnessSource` (in :mod:`dew.gateway.harness`) runs a harness per rollout
 against it and turns the recording plus a verifier's reward into a ``Rollout``.
 
 Decisions worth knowing:
@@ -19,13 +19,17 @@ Decisions worth knowing:
   ``context_length_exceeded``, or clamp ``max_tokens`` so the call ends with
   ``finish_reason: "length"``; either way the session's recording says which limit
   cut it (``truncation``). Bodies over ``max_body_bytes`` get 413, malformed ones 400.
-* Sampling: by default every call is sampled with the gateway's ``temperature``,
-  ``top_p`` and ``top_k``, whatever the harness asks, so recorded log-probs come
-  from the distribution the objective trains with. ``client_sampling=True`` honors
-  the request's values instead (then ``temperature`` must be > 0).
+* Sampling: the gateway holds one :class:`dew.core.SamplingParams`. By default every
+  call is sampled with its ``temperature``, ``top_p`` and ``top_k``, whatever the
+  harness asks, so recorded log-probs come from the distribution the objective trains
+  with. ``client_sampling=True`` honors the request's values instead (then
+  ``temperature`` must be > 0). Its ``max_tokens`` caps every call (and is the
+  default when a request names none); its ``stop_ids`` end every call (``None``: the
+  tokenizer's eos). Each call reaches the engine as one ``SamplingParams`` built from
+  these, the request and the session's remaining budget.
 * Multi-turn chats pack into one chain when the template re-renders earlier turns
   unchanged: the gateway reuses the recorded ids of the longest earlier
-  prompt + completion whose text starts the new prompt (see ``_gateway_text``).
+  prompt + completion whose text starts the new prompt (see :mod:`dew.gateway._text`).
   Otherwise the call opens a new chain; its tokens are still exactly the ones fed.
 * The gateway binds 127.0.0.1 by default and refuses any non-loopback address
   unless ``allow_remote=True``. It calls nothing over the network, so a caller's
@@ -33,7 +37,8 @@ Decisions worth knowing:
 
 Thread ownership: :meth:`RecordingGateway.start` runs uvicorn on one thread the
 gateway owns; :meth:`RecordingGateway.close` closes every session (aborting their
-generations), stops the server, joins that thread and the generation pool.
+generations), stops the server, joins that thread and the pool that renders,
+encodes and detokenizes (generations are the engine's futures, awaited on the loop).
 """
 
 from __future__ import annotations
@@ -42,30 +47,21 @@ import ipaddress
 import socket
 import threading
 import time
-from collections.abc import Collection
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 from typing import Any
 
 import uvicorn
 
-from dew.objectives.rl.sessions import RolloutKey, Task
-from dew.objectives.rl.sources._common import Engine
-from dew.objectives.rl.sources._gateway_app import GatewayConfig, build_app
-from dew.objectives.rl.sources._gateway_harness import (
-    HarnessEndpoint,
-    HarnessOutcome,
-    HarnessSource,
-)
-from dew.objectives.rl.sources._gateway_sessions import Limits, Recording, SessionTable
+from dew.core import Engine, RolloutKey, SamplingParams, Task
+from dew.gateway._app import GatewayConfig, build_app
+from dew.gateway._sessions import Limits, Recording, SessionTable
 
-__all__ = [
-    "Engine",
-    "HarnessEndpoint",
-    "HarnessOutcome",
-    "HarnessSource",
-    "Recording",
-    "RecordingGateway",
-]
+__all__ = ["DEFAULT_SAMPLING", "Recording", "RecordingGateway"]
+
+DEFAULT_SAMPLING = SamplingParams(max_tokens=4096)
+"""The gateway's sampling unless told otherwise: temperature 1, no filter, at most
+4096 tokens a call, stopping at the tokenizer's eos."""
 
 
 def _is_loopback(host: str) -> bool:
@@ -96,13 +92,14 @@ class RecordingGateway:
 
     ``server`` is the engine, ``tokenizer`` a Hugging Face tokenizer with a chat
     template. ``port=0`` picks a free port (see :attr:`base_url` after
-    :meth:`start`). ``max_tokens_per_call`` caps (and, when a request names none,
-    sets) a call's ``max_tokens``; ``max_context`` caps prompt + completion tokens
-    (default: the engine's ``max_len`` when it has one);
-    ``max_n`` caps a request's ``n``. ``stop_ids`` are the tokens that end every call
-    (default: the tokenizer's eos). ``workers`` bounds the threads that render and
-    generate. ``retain`` is how many collected sessions keep answering 409/410 before
-    their tokens become unknown (401).
+    :meth:`start`). ``sampling`` is how every call is sampled (see the module
+    docstring; default :data:`DEFAULT_SAMPLING`): its ``max_tokens`` caps (and, when a
+    request names none, sets) a call's ``max_tokens``, its ``stop_ids`` are the tokens
+    that end every call (``None``: the tokenizer's eos), and its ``temperature`` must
+    be > 0. ``max_context`` caps prompt + completion tokens (default: the engine's
+    ``max_len`` when it has one); ``max_n`` caps a request's ``n``. ``workers`` bounds
+    the threads that render, encode and detokenize. ``retain`` is how many collected
+    sessions keep answering 409/410 before their tokens become unknown (401).
     """
 
     def __init__(
@@ -117,14 +114,10 @@ class RecordingGateway:
         max_body_bytes: int = 4 << 20,
         max_turns: int | None = 64,
         max_tokens_per_session: int | None = 32768,
-        max_tokens_per_call: int = 4096,
         max_context: int | None = None,
         max_n: int = 8,
-        temperature: float = 1.0,
-        top_p: float | None = None,
-        top_k: int | None = None,
+        sampling: SamplingParams = DEFAULT_SAMPLING,
         client_sampling: bool = False,
-        stop_ids: Collection[int] | None = None,
         workers: int = 64,
         retain: int = 65536,
         shutdown_grace: float = 5.0,
@@ -142,12 +135,13 @@ class RecordingGateway:
             raise ValueError(f"max_body_bytes must be >= 1024, got {max_body_bytes}")
         if not 1 <= max_n <= 128:
             raise ValueError(f"max_n must be in [1, 128], got {max_n}")
-        if not (temperature > 0 and temperature < float("inf")):
-            raise ValueError(f"temperature must be positive and finite, got {temperature}")
-        if top_p is not None and not 0 < top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1] or None, got {top_p}")
-        if top_k is not None and top_k < 1:
-            raise ValueError(f"top_k must be >= 1 or None, got {top_k}")
+        if not isinstance(sampling, SamplingParams):
+            raise ValueError(f"sampling must be a dew.core.SamplingParams, got {sampling!r}")
+        if sampling.temperature <= 0:
+            # SamplingParams allows greedy; a recorded call needs a distribution to train on.
+            raise ValueError(
+                f"sampling.temperature must be > 0 for the gateway, got {sampling.temperature}"
+            )
         if workers < 1:
             raise ValueError(f"workers must be >= 1, got {workers}")
         if shutdown_grace < 0 or startup_timeout <= 0:
@@ -160,21 +154,18 @@ class RecordingGateway:
             # longer calls outright; clamping to it turns those into "length" finishes.
             limit = getattr(server, "max_len", None)
             max_context = limit if isinstance(limit, int) and not isinstance(limit, bool) else None
-        if stop_ids is None:
+        if sampling.stop_ids is None:
             eos = getattr(tokenizer, "eos_token_id", None)
-            stop_ids = () if eos is None else (eos,)
+            sampling = replace(sampling, stop_ids=() if eos is None else (eos,))
         self._table = SessionTable(
-            Limits(max_turns, max_tokens_per_session, max_tokens_per_call, max_context),
+            Limits(max_turns, max_tokens_per_session, sampling.max_tokens, max_context),
             retain=retain,
         )
         self._config = GatewayConfig(
             model_name=model_name,
             max_body_bytes=max_body_bytes,
             max_n=max_n,
-            stop_ids=frozenset(int(t) for t in stop_ids),
-            temperature=float(temperature),
-            top_p=top_p,
-            top_k=top_k,
+            sampling=sampling,
             client_sampling=client_sampling,
         )
         self.engine = server
@@ -283,6 +274,11 @@ class RecordingGateway:
     @property
     def model_name(self) -> str:
         return self._config.model_name
+
+    @property
+    def sampling(self) -> SamplingParams:
+        """The gateway's sampling, its stop ids resolved."""
+        return self._config.sampling
 
     @property
     def running(self) -> bool:

@@ -5,7 +5,8 @@ from __future__ import annotations
 import json
 import socket
 import threading
-from collections.abc import Iterator
+from collections.abc import Hashable, Iterator
+from concurrent.futures import Future
 from contextlib import contextmanager
 from typing import Any
 
@@ -14,10 +15,11 @@ import openai
 import pytest
 import torch
 
+from dew.core import Aborted, Call, Rollout, RolloutKey, SamplingParams, Status, Task
 from dew.demo.model import make_model, make_tokenizer
-from dew.objectives.rl.sessions import Call, Rollout, RolloutKey, Status, Task, chains, merge_ratio
-from dew.objectives.rl.sources.gateway import RecordingGateway
-from dew.serving import Aborted, RolloutServer
+from dew.gateway import RecordingGateway
+from dew.objectives.rl.chains import chains, merge_ratio
+from dew.serving import RolloutServer
 
 TOK = make_tokenizer()
 EOS = TOK.eos_token_id
@@ -30,7 +32,8 @@ class Spy:
     def __init__(self, server: RolloutServer) -> None:
         self.server = server
         self.calls: list[Call] = []
-        self.kwargs: list[dict[str, Any]] = []
+        self.params: list[SamplingParams] = []
+        self.affinities: list[Hashable | None] = []
         self.errors: list[BaseException] = []
         self.entered = threading.Event()
         self.failed = threading.Event()
@@ -44,20 +47,51 @@ class Spy:
     def max_len(self) -> int:
         return self.server.max_len
 
-    def generate(self, prompt: Any, **kw: Any) -> Call:
+    def submit(
+        self,
+        prompt: Any,
+        params: SamplingParams,
+        *,
+        stop: threading.Event | None = None,
+        affinity: Hashable | None = None,
+    ) -> Future[Call]:
         with self._lock:
-            self.kwargs.append(kw)
+            self.params.append(params)
+            self.affinities.append(affinity)
         self.entered.set()
         try:
-            call = self.server.generate(prompt, **kw)
+            future = self.server.submit(prompt, params, stop=stop, affinity=affinity)
         except BaseException as exc:
-            with self._lock:
-                self.errors.append(exc)
-            self.failed.set()
+            self._failed(exc)
             raise
+        future.add_done_callback(self._done)
+        return future
+
+    def abort(self, future: Future[Call]) -> None:
+        self.server.abort(future)
+
+    def generate(
+        self,
+        prompt: Any,
+        params: SamplingParams,
+        *,
+        stop: threading.Event | None = None,
+        affinity: Hashable | None = None,
+    ) -> Call:
+        return self.submit(prompt, params, stop=stop, affinity=affinity).result()
+
+    def _done(self, future: Future[Call]) -> None:
+        exc = future.exception()
+        if exc is not None:
+            self._failed(exc)
+            return
         with self._lock:
-            self.calls.append(call)
-        return call
+            self.calls.append(future.result())
+
+    def _failed(self, exc: BaseException) -> None:
+        with self._lock:
+            self.errors.append(exc)
+        self.failed.set()
 
 
 @pytest.fixture(scope="module")
@@ -78,7 +112,7 @@ def spy(server: RolloutServer) -> Spy:
 
 @contextmanager
 def running(engine: Any, **kw: Any) -> Iterator[RecordingGateway]:
-    kw.setdefault("max_tokens_per_call", 6)
+    kw.setdefault("sampling", SamplingParams(max_tokens=6))
     with RecordingGateway(engine, TOK, **kw) as gw:
         yield gw
 
@@ -253,15 +287,16 @@ def test_sampling_is_the_gateways_unless_clients_may_choose(spy):
         "top_p": 0.5,
         "stop": ["\n", "END"],
     }
-    with running(spy, temperature=0.9) as gw:
-        token = gw.open(Task("t"), RolloutKey(0, 0, 0))
+    with running(spy, sampling=SamplingParams(max_tokens=6, temperature=0.9)) as gw:
+        token = gw.open(Task("t"), RolloutKey(7, 0, 0))
         with client(gw, token) as c:
             c.chat.completions.create(**ask)
         gw.close_session(token)
-    kw = spy.kwargs[-1]
-    assert (kw["temperature"], kw["top_p"], kw["top_k"]) == (0.9, None, None)
+    p = spy.params[-1]
+    assert spy.affinities[-1] == 7  # the session's group: a fleet keeps it on one engine
+    assert (p.temperature, p.top_p, p.top_k) == (0.9, None, None)
     newline = TOK("\n", add_special_tokens=False)["input_ids"][0]
-    assert set(kw["stop_ids"]) == {EOS, newline}
+    assert set(p.stop_ids) == {EOS, newline}
     with running(spy, client_sampling=True) as gw:
         token = gw.open(Task("t"), RolloutKey(0, 1, 0))
         with client(gw, token) as c:
@@ -269,8 +304,8 @@ def test_sampling_is_the_gateways_unless_clients_may_choose(spy):
             with pytest.raises(openai.BadRequestError, match="temperature"):
                 c.chat.completions.create(**{**ask, "temperature": 0})
         rec = gw.close_session(token)
-    kw = spy.kwargs[-1]
-    assert (kw["temperature"], kw["top_p"]) == (0.3, 0.5)
+    p = spy.params[-1]
+    assert (p.temperature, p.top_p) == (0.3, 0.5)
     assert len(rec.calls) == 1 and rec.calls[0].support is not None
 
 
@@ -370,7 +405,7 @@ def test_context_limit_is_a_clear_400(spy):
 
 @pytest.mark.timeout(120)
 def test_cancel_mid_stream_aborts_the_generation_and_records_nothing(spy):
-    with running(spy, max_tokens_per_call=200) as gw:
+    with running(spy, sampling=SamplingParams(max_tokens=200)) as gw:
         token = gw.open(Task("t"), RolloutKey(0, 0, 0))
         with client(gw, token) as c:
             stream = c.chat.completions.create(
@@ -393,7 +428,7 @@ def test_cancel_mid_stream_aborts_the_generation_and_records_nothing(spy):
 
 @pytest.mark.timeout(120)
 def test_a_client_that_disconnects_aborts_its_generation(spy):
-    with running(spy, max_tokens_per_call=200) as gw:
+    with running(spy, sampling=SamplingParams(max_tokens=200)) as gw:
         token = gw.open(Task("t"), RolloutKey(0, 0, 0))
         body = json.dumps({"messages": [{"role": "user", "content": "x"}], "max_tokens": 200})
         request = (
@@ -413,7 +448,7 @@ def test_a_client_that_disconnects_aborts_its_generation(spy):
 @pytest.mark.timeout(120)
 def test_closing_the_gateway_aborts_in_flight_work(spy):
     errors: list[BaseException] = []
-    gw = RecordingGateway(spy, TOK, max_tokens_per_call=200).start()
+    gw = RecordingGateway(spy, TOK, sampling=SamplingParams(max_tokens=200)).start()
     token = gw.open(Task("t"), RolloutKey(0, 0, 0))
 
     def ask() -> None:

@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dew.objectives.rl.sources._gateway_protocol import (
+from dew.gateway._protocol import (
     RequestError,
     parse_chat,
     parse_completion,

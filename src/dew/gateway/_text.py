@@ -26,9 +26,9 @@ from typing import Any
 
 import numpy as np
 
-from dew.objectives.rl.sessions import Call
-from dew.objectives.rl.sources._gateway_protocol import RequestError
-from dew.objectives.rl.sources._gateway_responses import Choice
+from dew.core import Call
+from dew.gateway._protocol import RequestError
+from dew.gateway._responses import Choice
 
 __all__ = ["Prefix", "decode", "encode", "finish_call", "render_chat", "token_pieces"]
 

@@ -7,9 +7,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from dew.core import Call
 from dew.demo.model import make_tokenizer
-from dew.objectives.rl.sessions import Call, chains
-from dew.objectives.rl.sources._gateway_text import (
+from dew.gateway._text import (
     Prefix,
     decode,
     encode,
@@ -18,6 +18,7 @@ from dew.objectives.rl.sources._gateway_text import (
     single_token_stops,
     token_pieces,
 )
+from dew.objectives.rl.chains import chains
 
 TOK = make_tokenizer()
 EOS = TOK.eos_token_id

@@ -10,13 +10,14 @@ import numpy as np
 import pytest
 import torch
 
+from dew.core import RolloutKey, Status, Task
 from dew.data import Dataset
 from dew.demo.agent import build_agent_source, make_tasks, max_chain, replies, score
 from dew.demo.agent_script import next_digit
 from dew.demo.model import make_model, make_tokenizer
+from dew.objectives.rl.chains import chains
 from dew.objectives.rl.grpo import GRPOObjective
 from dew.objectives.rl.scheduler import RolloutScheduler, SchedulerRecord
-from dew.objectives.rl.sessions import RolloutKey, Status, Task, chains
 from dew.serving import RolloutServer
 from dew.train import fit
 

@@ -1,4 +1,4 @@
-"""Helpers shared by the in-process sources: reward parsing, error text, chat tokens.
+"""Chat-template token ids for sources, built turn by turn, and the default stop ids.
 
 Chat prompts are built *incrementally*: the first prompt is the chat template applied
 to the first messages; every later prompt is the previous prompt, the model's
@@ -16,78 +16,31 @@ A template that rewrites earlier turns is refused with a clear error.
 
 from __future__ import annotations
 
-import math
-import threading
-from collections.abc import Collection, Mapping, Sequence
-from typing import Any, Protocol
+import dataclasses
+from collections.abc import Mapping, Sequence
+from typing import Any
 
-from dew.objectives.rl.sessions import Call
+from dew.core import SamplingParams, error_text
 
-__all__ = ["ChatTokens", "Engine", "error_text", "parse_reward", "token_ids"]
-
-
-class Engine(Protocol):
-    """What a source needs of an engine; ``dew.serving.RolloutServer`` is one.
-
-    An engine may also offer ``submit`` with ``generate``'s arguments, returning a
-    ``concurrent.futures.Future`` of the :class:`Call` (as ``RolloutServer.submit``
-    does); :class:`~dew.objectives.rl.sources.PromptSource` then needs no thread per
-    rollout.
-    """
-
-    @property
-    def version(self) -> int: ...
-
-    def generate(
-        self,
-        prompt: Sequence[int],
-        *,
-        max_tokens: int,
-        temperature: float = 1.0,
-        top_k: int | None = None,
-        top_p: float | None = None,
-        stop_ids: Collection[int] = (),
-        stop: threading.Event | None = None,
-    ) -> Call: ...
+__all__ = ["ChatTokens", "resolve_stop_ids"]
 
 
 _MARK = "\x00dew-marker\x00"
 
 
-def error_text(exc: BaseException) -> str:
-    return f"{type(exc).__name__}: {exc}"
+def resolve_stop_ids(sampling: SamplingParams, tokenizer: Any) -> SamplingParams:
+    """``sampling`` with ``stop_ids=None`` replaced by the tokenizer's end-of-sequence id.
 
-
-def parse_reward(out: object) -> tuple[float, dict[str, float]]:
-    """A verifier's float, or mapping of named parts, as (reward, components)."""
-    if isinstance(out, Mapping):
-        if not out:
-            # An empty mapping would sum to a reward of 0 that no check produced.
-            raise ValueError("verifier returned an empty mapping of reward components")
-        parts: dict[str, float] = {}
-        for name, value in out.items():
-            if isinstance(value, bool) or not isinstance(value, (int, float)):
-                raise ValueError(f"reward component {name!r} is {value!r}, not a number")
-            if not math.isfinite(value):
-                raise ValueError(f"reward component {name!r} is {value!r}, not finite")
-            parts[str(name)] = float(value)
-        return float(sum(parts.values())), parts
-    if isinstance(out, bool) or not isinstance(out, (int, float)):
-        raise ValueError(f"verifier returned {out!r}; expected a number or a mapping of numbers")
-    if not math.isfinite(out):
-        raise ValueError(f"verifier returned {out!r}, not a finite number")
-    return float(out), {}
-
-
-def token_ids(value: object, name: str) -> list[int]:
-    """Token ids from a list, tuple, numpy array or tensor."""
-    items = value.tolist() if hasattr(value, "tolist") else value
-    if not isinstance(items, Sequence) or isinstance(items, (str, bytes)):
-        raise ValueError(f"{name} must be token ids, got {type(value).__name__}")
-    try:
-        return [int(t) for t in items]
-    except (TypeError, ValueError):
-        raise ValueError(f"{name} must be token ids (ints)") from None
+    Without a tokenizer (or one without an end-of-sequence id), ``None`` stays, and the
+    engine stops at its model's end-of-sequence ids.
+    """
+    if not isinstance(sampling, SamplingParams):
+        raise ValueError(f"sampling must be SamplingParams, got {type(sampling).__name__}")
+    eos = getattr(tokenizer, "eos_token_id", None) if tokenizer is not None else None
+    if sampling.stop_ids is not None or eos is None:
+        return sampling
+    ids = (eos,) if isinstance(eos, int) else tuple(eos)
+    return dataclasses.replace(sampling, stop_ids=ids)
 
 
 def _ids(encoded: Any) -> list[int]:

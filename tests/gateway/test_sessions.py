@@ -7,10 +7,10 @@ import threading
 import numpy as np
 import pytest
 
-from dew.objectives.rl.sessions import Call, RolloutKey, Task
-from dew.objectives.rl.sources._gateway_protocol import RequestError
-from dew.objectives.rl.sources._gateway_sessions import Limits, SessionTable
-from dew.objectives.rl.sources._gateway_text import Prefix
+from dew.core import Call, RolloutKey, Task
+from dew.gateway._protocol import RequestError
+from dew.gateway._sessions import Limits, SessionTable
+from dew.gateway._text import Prefix
 
 TASK = Task("7", {"q": 1})
 
@@ -80,7 +80,7 @@ def test_closed_session_is_410_and_superseded_is_409():
 def test_superseding_aborts_in_flight_requests_and_drops_their_calls():
     t = table()
     old = t.open(TASK, RolloutKey(0, 0, 0))
-    a = t.admit(auth(t, old), n=1, requested=5, prompt_len=2)
+    a = t.grant(auth(t, old), n=1, requested=5, prompt_len=2)
     t.open(TASK, RolloutKey(0, 0, 1))
     assert a.stop.is_set()
     assert not t.record(a, [call(3)], [prefix()])
@@ -92,10 +92,10 @@ def test_record_is_all_or_nothing_and_close_collects_once():
     t = table()
     tok = t.open(TASK, RolloutKey(0, 0, 0))
     s = auth(t, tok)
-    a = t.admit(s, n=2, requested=4, prompt_len=2)
+    a = t.grant(s, n=2, requested=4, prompt_len=2)
     calls = [call(4), call(2)]
     assert t.record(a, calls, [prefix(), prefix()])
-    b = t.admit(s, n=1, requested=4, prompt_len=2)
+    b = t.grant(s, n=1, requested=4, prompt_len=2)
     t.abort(tok)
     assert b.stop.is_set() and not t.record(b, [call(1)], [prefix()])
     assert status_of(t, f"Bearer {tok}") == 410
@@ -113,9 +113,9 @@ def test_turn_cap_refuses_and_marks_truncation():
     tok = t.open(TASK, RolloutKey(0, 0, 0))
     s = auth(t, tok)
     for _ in range(2):
-        t.record(t.admit(s, n=1, requested=1, prompt_len=1), [call(1)], [prefix()])
+        t.record(t.grant(s, n=1, requested=1, prompt_len=1), [call(1)], [prefix()])
     with pytest.raises(RequestError) as info:
-        t.admit(s, n=1, requested=1, prompt_len=1)
+        t.grant(s, n=1, requested=1, prompt_len=1)
     assert info.value.status == 400 and info.value.code == "turn_limit_exceeded"
     assert t.close(tok).truncation == "turns"
 
@@ -124,18 +124,18 @@ def test_token_budget_clamps_then_refuses():
     t = table(max_tokens_per_session=10)
     tok = t.open(TASK, RolloutKey(0, 0, 0))
     s = auth(t, tok)
-    a = t.admit(s, n=1, requested=6, prompt_len=1)
+    a = t.grant(s, n=1, requested=6, prompt_len=1)
     assert a.max_tokens == 6 and a.cause is None
     # A concurrent request sees the reservation, not just the recorded tokens.
-    b = t.admit(s, n=2, requested=6, prompt_len=1)
+    b = t.grant(s, n=2, requested=6, prompt_len=1)
     assert b.max_tokens == 2 and b.cause == "length"
     t.record(a, [call(6)], [prefix()])
     t.record(b, [call(2, "length"), call(1)], [prefix(), prefix()])
-    last = t.admit(s, n=1, requested=5, prompt_len=1)  # the one token left
+    last = t.grant(s, n=1, requested=5, prompt_len=1)  # the one token left
     assert last.max_tokens == 1
     t.record(last, [call(1)], [prefix()])
     with pytest.raises(RequestError) as info:
-        t.admit(s, n=1, requested=1, prompt_len=1)
+        t.grant(s, n=1, requested=1, prompt_len=1)
     assert info.value.code == "token_limit_exceeded"
     rec = t.close(tok)
     assert rec.tokens == 10 and rec.truncation == "length"
@@ -145,24 +145,24 @@ def test_context_cap_clamps_and_refuses():
     t = table(max_context=10, max_tokens_per_call=8)
     tok = t.open(TASK, RolloutKey(0, 0, 0))
     s = auth(t, tok)
-    a = t.admit(s, n=1, requested=None, prompt_len=4)
+    a = t.grant(s, n=1, requested=None, prompt_len=4)
     assert a.max_tokens == 6 and a.cause == "context"
     t.record(a, [call(5)], [prefix()])  # ended before the cap: not truncated
-    assert t.admit(s, n=1, requested=3, prompt_len=4).max_tokens == 3
+    assert t.grant(s, n=1, requested=3, prompt_len=4).max_tokens == 3
     with pytest.raises(RequestError) as info:
-        t.admit(s, n=1, requested=3, prompt_len=10)
+        t.grant(s, n=1, requested=3, prompt_len=10)
     assert info.value.code == "context_length_exceeded"
     assert t.close(tok).truncation == "context"
 
 
-def test_settle_releases_and_keeps_the_first_engine_error():
+def test_release_frees_the_reservation_and_keeps_the_first_engine_error():
     t = table(max_tokens_per_session=4)
     tok = t.open(TASK, RolloutKey(0, 0, 0))
     s = auth(t, tok)
-    a = t.admit(s, n=1, requested=4, prompt_len=1)
-    t.settle(a, error="engine failure: boom")
-    b = t.admit(s, n=1, requested=4, prompt_len=1)  # the reservation came back
-    t.settle(b, error="second")
+    a = t.grant(s, n=1, requested=4, prompt_len=1)
+    t.release(a, error="engine failure: boom")
+    b = t.grant(s, n=1, requested=4, prompt_len=1)  # the reservation came back
+    t.release(b, error="second")
     t.fail(s, "gateway failure: third")
     assert t.close(tok).error == "engine failure: boom"
     other = t.open(TASK, RolloutKey(0, 1, 0))
@@ -176,7 +176,7 @@ def test_history_keeps_the_latest_entries():
     s = auth(t, tok)
     entries = [Prefix(str(i), np.asarray([i])) for i in range(3)]
     for e in entries:
-        t.record(t.admit(s, n=1, requested=1, prompt_len=1), [call(1)], [e])
+        t.record(t.grant(s, n=1, requested=1, prompt_len=1), [call(1)], [e])
     assert t.history(s) == tuple(entries[1:])
 
 
@@ -192,7 +192,7 @@ def test_tombstones_are_retained_then_forgotten():
 def test_close_all_stops_everything_and_refuses_new_sessions():
     t = table()
     tok = t.open(TASK, RolloutKey(0, 0, 0))
-    a = t.admit(auth(t, tok), n=1, requested=1, prompt_len=1)
+    a = t.grant(auth(t, tok), n=1, requested=1, prompt_len=1)
     t.close_all()
     assert a.stop.is_set()
     assert status_of(t, f"Bearer {tok}") == 410
@@ -212,7 +212,7 @@ def test_concurrent_admissions_never_overspend_the_budget():
         barrier.wait(timeout=10)
         for _ in range(10):
             try:
-                a = t.admit(s, n=1, requested=None, prompt_len=1)
+                a = t.grant(s, n=1, requested=None, prompt_len=1)
             except RequestError:
                 return
             with lock:

@@ -1,6 +1,11 @@
 """The scheduler's bookkeeping as a plain state machine: no threads, no clock, no I/O.
 
-The driver (``scheduler.py``) feeds it events — a batch registered, a trainer call,
+Public so that other drivers can run the same rules: the real scheduler
+(:mod:`dew.objectives.rl.scheduler`) drives it from its own thread against a source,
+and the planner (:mod:`dew.plan.planner`) drives it from an engine model in simulated
+time. Both build it from the one :class:`~dew.objectives.rl.config.SchedulerConfig`.
+
+The driver feeds it events — a batch registered, a trainer call,
 a weight push, a session finished, the clock passing a deadline, a reopened stream —
 and carries out the :class:`Start` and :class:`Cancel` actions it returns. Time is
 always passed in, so tests can drive every rule exactly.
@@ -36,24 +41,23 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any, NamedTuple
 
-from dew.objectives.rl.sessions import (
-    Rollout,
-    RolloutKey,
-    Status,
-    Task,
-    Truncation,
-    truncation_policy,
-)
+from dew.core import Rollout, RolloutKey, Status, Task
+from dew.objectives.rl.config import SchedulerConfig
+from dew.objectives.rl.truncation import Truncation, truncation_policy
 
 __all__ = ["Admission", "Cancel", "Consumed", "Start"]
 
 
 class Start(NamedTuple):  # named tuples: one is made per start and per cancel
+    """Start ``task`` as attempt ``key`` on the source."""
+
     task: Task
     key: RolloutKey
 
 
 class Cancel(NamedTuple):
+    """Cancel the running attempt ``key``; whatever it returns later is ignored."""
+
     key: RolloutKey
 
 
@@ -139,29 +143,15 @@ class Consumed:
 class Admission:
     """Groups, samples, attempts, staleness and admission for one scheduler.
 
-    Every mutating method returns the actions to carry out, in order.
+    It reads ``groups``, ``oversample``, ``admit``, ``max_lag``, ``ahead``,
+    ``max_attempts``, ``timeout`` and ``truncation`` from ``config``; weight pushes
+    (``sync_every``) and packing are the driver's. Every mutating method returns the
+    actions to carry out, in order.
     """
 
-    def __init__(
-        self,
-        *,
-        groups: int,
-        oversample: int = 0,
-        admit: int | None = None,
-        max_lag: int = 1,
-        ahead: int = 1,
-        max_attempts: int = 3,
-        timeout: float | None = None,
-        truncation: str = "mask",
-    ) -> None:
-        self.groups = groups
-        self.oversample = oversample
-        self.admit = admit
-        self.max_lag = max_lag
-        self.ahead = ahead
-        self.max_attempts = max_attempts
-        self.timeout = timeout
-        self._truncate = truncation_policy(truncation)
+    def __init__(self, config: SchedulerConfig) -> None:
+        self.config = config
+        self._truncate = truncation_policy(config.truncation)
         self.served: int | None = None  # version the engines serve
         self._batches: list[_Batch] = []  # registered, oldest first
         self._seq = itertools.count()
@@ -208,7 +198,7 @@ class Admission:
     def _submit(self, b: _Batch, now: float) -> list[Action]:
         b.submitted = True
         actions: list[Action] = []
-        n = self.groups + self.oversample
+        n = self.config.groups + self.config.oversample
         for task in b.tasks:
             g = _Group(next(self._gid), task, b, [_Sample(i) for i in range(n)])
             b.groups.append(g)
@@ -226,7 +216,7 @@ class Admission:
         if not self._batches:
             raise RuntimeError("no registered batch: read the batch from scheduler.tasks(dataset)")
         actions = self._sweep_stale(updates, now, self._batches)
-        for b in self._batches[: self.ahead + 1]:
+        for b in self._batches[: self.config.ahead + 1]:
             if not b.submitted:
                 actions += self._submit(b, now)
         return actions
@@ -248,8 +238,9 @@ class Admission:
         # per start, which the planner makes tens of thousands of times per plan.
         key = s.key = _tuple_new(RolloutKey, (g.gid, s.index, s.attempt))
         self._running[key] = (g, s)
-        if self.timeout is not None:
-            heapq.heappush(self._deadlines, (now + self.timeout, key))
+        timeout = self.config.timeout
+        if timeout is not None:
+            heapq.heappush(self._deadlines, (now + timeout, key))
         actions.append(_tuple_new(Start, (g.task, key)))
 
     def _stop(self, g: _Group, s: _Sample, how: str, actions: list[Action]) -> None:
@@ -263,9 +254,9 @@ class Admission:
     def _top_up(self, g: _Group, now: float, actions: list[Action]) -> None:
         if g.state is not _G.RUNNING:
             return
-        needed = self.groups - len(g.admitted)
+        needed = self.config.groups - len(g.admitted)
         running = sum(s.state is _S.RUNNING for s in g.samples)
-        want = needed + self.oversample
+        want = needed + self.config.oversample
         for s in g.samples:
             if running >= want:
                 break
@@ -284,7 +275,7 @@ class Admission:
     def _count_failure(self, s: _Sample, cause: str) -> None:
         s.failures += 1
         s.rollout = None
-        if s.failures >= self.max_attempts:
+        if s.failures >= self.config.max_attempts:
             s.state = _S.EXHAUSTED
         else:
             s.state, s.cause = _S.IDLE, cause
@@ -293,7 +284,7 @@ class Admission:
         """After failures: abandon a group that can no longer complete, else refill it."""
         if g.state is not _G.RUNNING:
             return
-        if self._alive(g) < self.groups:
+        if self._alive(g) < self.config.groups:
             self._abandon(g, actions)
         else:
             self._top_up(g, now, actions)
@@ -324,8 +315,9 @@ class Admission:
                 self.cancelled += 1
                 s.state = _S.SURPLUS
         b = g.batch
-        if self.admit is not None:
-            if b.complete >= self.admit:
+        admit = self.config.admit
+        if admit is not None:
+            if b.complete >= admit:
                 for x in b.groups:
                     if x.state is _G.RUNNING:
                         _set_state(x, _G.DROPPED)
@@ -368,7 +360,7 @@ class Admission:
         s.state = _S.ADMITTED
         s.rollout = rollout
         g.admitted.append(s.index)
-        if len(g.admitted) >= self.groups:
+        if len(g.admitted) >= self.config.groups:
             self._complete(g, actions)
         return actions
 
@@ -400,7 +392,7 @@ class Admission:
 
     def _sweep_stale(self, updates: int, now: float, batches: Sequence[_Batch]) -> list[Action]:
         actions: list[Action] = []
-        fresh = updates - self.max_lag  # the oldest version still within max_lag
+        fresh = updates - self.config.max_lag  # the oldest version still within max_lag
         for b in batches:
             for g in b.groups:
                 if g.state is not _G.RUNNING and g.state is not _G.COMPLETE:
@@ -423,7 +415,7 @@ class Admission:
                             s.state, s.cause, s.rollout = _S.IDLE, "stale", None
                             touched = True
                 if touched:
-                    if g.state is _G.COMPLETE and len(g.admitted) < self.groups:
+                    if g.state is _G.COMPLETE and len(g.admitted) < self.config.groups:
                         _set_state(g, _G.RUNNING)
                     self._top_up(g, now, actions)
         return actions
@@ -435,7 +427,8 @@ class Admission:
         b = self._batches[0]
         if not b.submitted:
             return False
-        if self.admit is not None and b.complete >= self.admit:
+        admit = self.config.admit
+        if admit is not None and b.complete >= admit:
             return True
         return b.running == 0
 
@@ -460,7 +453,7 @@ class Admission:
             elif g.state is _G.DROPPED:
                 out.dropped.append(g.task)
         for g in complete:
-            members = [g.samples[i].rollout for i in g.admitted[: self.groups]]
+            members = [g.samples[i].rollout for i in g.admitted[: self.config.groups]]
             out.groups.append([r for r in members if r is not None])
             for r in out.groups[-1]:
                 self._end(r.key, "consumed")

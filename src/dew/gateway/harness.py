@@ -48,7 +48,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import IO, TYPE_CHECKING, Any
 
-from dew.objectives.rl.sessions import (
+from dew.core import (
     Call,
     Rollout,
     RolloutKey,
@@ -56,16 +56,17 @@ from dew.objectives.rl.sessions import (
     Status,
     Task,
     ThreadedSource,
-    _cancelled_rollout,
+    cancelled_rollout,
+    error_text,
+    parse_reward,
 )
-from dew.objectives.rl.sources._common import parse_reward
 
 if TYPE_CHECKING:
     import openai
 
-    from dew.objectives.rl.sources.gateway import RecordingGateway
+    from dew.gateway.recording import RecordingGateway
 
-__all__ = ["HarnessEndpoint", "HarnessOutcome", "HarnessSource"]
+__all__ = ["Harness", "HarnessEndpoint", "HarnessOutcome", "HarnessSource", "HarnessVerifier"]
 
 _TASK_ENV_LIMIT = 64 << 10
 
@@ -130,7 +131,7 @@ class HarnessOutcome:
 
 
 Harness = Callable[[Task, HarnessEndpoint], Any] | Sequence[str]
-Verifier = Callable[[Task, HarnessOutcome], float | Mapping[str, float]]
+HarnessVerifier = Callable[[Task, HarnessOutcome], float | Mapping[str, float]]
 
 
 class _HarnessSession:
@@ -199,7 +200,7 @@ class HarnessSource(ThreadedSource):
         self,
         gateway: RecordingGateway,
         harness: Harness,
-        verifier: Verifier,
+        verifier: HarnessVerifier,
         *,
         tasks: Mapping[str, Task] | None = None,
         workers: int = 8,
@@ -311,7 +312,7 @@ class HarnessSource(ThreadedSource):
                 key,
                 task,
                 Status.INFRA_ERROR,
-                error=f"cannot open a gateway session: {type(exc).__name__}: {exc}",
+                error=f"cannot open a gateway session: {error_text(exc)}",
             )
         deadline = None if self.timeout is None else time.monotonic() + self.timeout
         watcher = threading.Thread(
@@ -478,7 +479,7 @@ class HarnessSource(ThreadedSource):
     ) -> Rollout:
         harness_error = outcome.error if outcome is not None else None
         if stop.is_set() or self._closing or state.halted == "cancelled":
-            return _cancelled_rollout(task, key, calls)
+            return cancelled_rollout(task, key, calls)
         if gateway_error is not None:
             return Rollout(key, task, Status.INFRA_ERROR, calls, error=f"gateway: {gateway_error}")
         if not launched or outcome is None:
@@ -511,7 +512,7 @@ class HarnessSource(ThreadedSource):
                 task,
                 Status.INFRA_ERROR,
                 calls,
-                error=f"verifier failed: {type(exc).__name__}: {exc}",
+                error=f"verifier failed: {error_text(exc)}",
             )
         status = (
             Status.TRUNCATED

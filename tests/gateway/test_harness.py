@@ -7,22 +7,19 @@ import os
 import sys
 import textwrap
 import threading
-from collections.abc import Iterator
+from collections.abc import Hashable, Iterator
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
 import openai
 import pytest
 
+from dew.core import Aborted, Call, RolloutKey, SamplingParams, Status, Task
 from dew.demo.model import make_model, make_tokenizer
-from dew.objectives.rl.sessions import Call, RolloutKey, Status, Task, chains
-from dew.objectives.rl.sources.gateway import (
-    HarnessEndpoint,
-    HarnessOutcome,
-    HarnessSource,
-    RecordingGateway,
-)
-from dew.serving import Aborted, RolloutServer
+from dew.gateway import HarnessEndpoint, HarnessOutcome, HarnessSource, RecordingGateway
+from dew.objectives.rl.chains import chains
+from dew.serving import RolloutServer
 
 TOK = make_tokenizer()
 WAIT = 60.0  # seconds; every wait is on an event or a result, bounded by this
@@ -47,20 +44,50 @@ class Spy:
     def max_len(self) -> int:
         return self.server.max_len
 
-    def generate(self, prompt: Any, **kw: Any) -> Call:
+    def submit(
+        self,
+        prompt: Any,
+        params: SamplingParams,
+        *,
+        stop: threading.Event | None = None,
+        affinity: Hashable | None = None,
+    ) -> Future[Call]:
         with self.cond:
             self.entered += 1
             self.cond.notify_all()
         try:
-            call = self.server.generate(prompt, **kw)
+            future = self.server.submit(prompt, params, stop=stop, affinity=affinity)
         except BaseException as exc:
-            with self.cond:
-                self.errors.append(exc)
-                self.cond.notify_all()
+            self._failed(exc)
             raise
+        future.add_done_callback(self._done)
+        return future
+
+    def abort(self, future: Future[Call]) -> None:
+        self.server.abort(future)
+
+    def generate(
+        self,
+        prompt: Any,
+        params: SamplingParams,
+        *,
+        stop: threading.Event | None = None,
+        affinity: Hashable | None = None,
+    ) -> Call:
+        return self.submit(prompt, params, stop=stop, affinity=affinity).result()
+
+    def _done(self, future: Future[Call]) -> None:
+        exc = future.exception()
+        if exc is not None:
+            self._failed(exc)
+            return
         with self.cond:
-            self.calls.append(call)
-        return call
+            self.calls.append(future.result())
+
+    def _failed(self, exc: BaseException) -> None:
+        with self.cond:
+            self.errors.append(exc)
+            self.cond.notify_all()
 
     def wait_entered(self, n: int) -> bool:
         with self.cond:
@@ -84,7 +111,7 @@ def spy(server: RolloutServer) -> Spy:
 
 @pytest.fixture
 def gateway(spy: Spy) -> Iterator[RecordingGateway]:
-    with RecordingGateway(spy, TOK, max_tokens_per_call=200, max_turns=4) as gw:
+    with RecordingGateway(spy, TOK, sampling=SamplingParams(max_tokens=200), max_turns=4) as gw:
         yield gw
 
 

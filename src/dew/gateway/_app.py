@@ -9,11 +9,17 @@ record. Every refusal is an OpenAI-style error body with ``x-should-retry: false
 
 Concurrency invariants:
 
-* the event loop never blocks: rendering, encoding, generation and detokenization
-  run on the gateway's bounded thread pool, which the gateway owns and joins;
-* every admitted request is settled exactly once (recorded, or released), also
-  when its client disconnects or its coroutine is cancelled; an abandoned request
-  sets its stop event so the engine aborts it within one decode step;
+* the event loop never blocks: rendering, encoding and detokenization run on the
+  gateway's bounded thread pool, which the gateway owns and joins; generation is
+  ``engine.submit`` (which never blocks) awaited as a future, so no thread is parked
+  per request while the engine works;
+* every granted request ends exactly once (recorded, or released), also when its
+  client disconnects or its coroutine is cancelled; an abandoned request sets its
+  stop event (and a cancelled choice calls ``engine.abort`` on its future) so the
+  engine drops it within one decode step;
+* each call is sampled with one :class:`dew.core.SamplingParams`: the gateway's own
+  (``GatewayConfig.sampling``), with the request's values when clients may choose,
+  the granted ``max_tokens``, and the stop ids plus the request's one-token stops;
 * a streamed response sends its opening chunk (the role) before generation ends and
   its content only after the call was recorded, so a client never sees text that
   was not recorded. The engine returns whole calls, so the content chunks (one per
@@ -28,10 +34,9 @@ import json
 import logging
 import secrets
 import threading
-from collections.abc import AsyncIterator, Callable, Sequence
-from concurrent.futures import Executor
-from dataclasses import dataclass
-from functools import partial
+from collections.abc import AsyncIterator, Callable, Collection, Sequence
+from concurrent.futures import Executor, Future
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -39,14 +44,13 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from dew.objectives.rl.sessions import Call
-from dew.objectives.rl.sources import _gateway_protocol as wire
-from dew.objectives.rl.sources import _gateway_responses as shape
-from dew.objectives.rl.sources._common import Engine
-from dew.objectives.rl.sources._gateway_protocol import RequestError, Sampling
-from dew.objectives.rl.sources._gateway_responses import Choice
-from dew.objectives.rl.sources._gateway_sessions import Admission, SessionTable
-from dew.objectives.rl.sources._gateway_text import (
+from dew.core import Call, Engine, SamplingParams, error_text
+from dew.gateway import _protocol as wire
+from dew.gateway import _responses as shape
+from dew.gateway._protocol import RequestError, RequestSampling
+from dew.gateway._responses import Choice
+from dew.gateway._sessions import Grant, SessionTable
+from dew.gateway._text import (
     Prefix,
     decode,
     encode,
@@ -64,14 +68,22 @@ _NO_RETRY = {"x-should-retry": "false"}
 
 @dataclass(frozen=True)
 class GatewayConfig:
+    """What the app serves with.
+
+    ``sampling`` is the gateway's own: its temperature, top-k and top-p sample every
+    call unless ``client_sampling``; its ``stop_ids`` (resolved: never ``None``) end
+    every call. Its ``max_tokens`` is the per-call cap, which the session table applies.
+    """
+
     model_name: str
     max_body_bytes: int
     max_n: int
-    stop_ids: frozenset[int]
-    temperature: float
-    top_p: float | None
-    top_k: int | None
+    sampling: SamplingParams
     client_sampling: bool
+
+    def __post_init__(self) -> None:
+        if self.sampling.stop_ids is None:
+            raise ValueError("GatewayConfig.sampling.stop_ids must be resolved, not None")
 
 
 class _ClientGone(Exception):
@@ -246,13 +258,15 @@ class _Service:
 
     # ------------------------------------------------------------------ sampling
 
-    def _params(self, s: Sampling) -> dict[str, Any]:
+    def _params(self, s: RequestSampling) -> SamplingParams:
+        """The request's sampling (before its grant sets ``max_tokens`` and stop ids)."""
         c = self.config
         if not c.client_sampling:
             # The trained policy's sampling, whatever the harness asks for: every
             # recorded call then comes from the distribution the objective assumes.
-            return {"temperature": c.temperature, "top_p": c.top_p, "top_k": c.top_k}
-        temperature = c.temperature if s.temperature is None else s.temperature
+            return c.sampling
+        base = c.sampling
+        temperature = base.temperature if s.temperature is None else s.temperature
         if temperature <= 0:
             raise RequestError(
                 400,
@@ -260,75 +274,96 @@ class _Service:
                 param="temperature",
                 code="invalid_value",
             )
-        return {
-            "temperature": temperature,
-            "top_p": c.top_p if s.top_p is None else s.top_p,
-            "top_k": c.top_k if s.top_k is None else s.top_k,
-        }
+        return replace(
+            base,
+            temperature=temperature,
+            top_p=base.top_p if s.top_p is None else s.top_p,
+            top_k=base.top_k if s.top_k is None else s.top_k,
+        )
 
     # ------------------------------------------------------------------ generation
 
-    def _one(
-        self,
-        prompt: _Prompt,
-        adm: Admission,
-        params: dict[str, Any],
-        stop_ids: frozenset[int],
-        stops: Sequence[str],
+    def _submit(self, prompt: _Prompt, params: SamplingParams, grant: Grant) -> Future[Call]:
+        """The engine's future for one choice; a refusal at submit becomes its exception."""
+        try:
+            return self.engine.submit(
+                prompt.ids, params, stop=grant.stop, affinity=grant.session.key.group
+            )
+        except Exception as exc:  # bad input (ValueError) or a closed engine, said at once
+            failed: Future[Call] = Future()
+            failed.set_exception(exc)
+            return failed
+
+    def _finish(
+        self, prompt: _Prompt, call: Call, stop_ids: Collection[int], stops: Sequence[str]
     ) -> tuple[Call, Choice, Prefix]:
-        call = self.engine.generate(
-            prompt.ids, max_tokens=adm.max_tokens, stop_ids=stop_ids, stop=adm.stop, **params
-        )
         recorded, choice, completion_text = finish_call(self.tokenizer, call, stop_ids, stops)
         ids = np.concatenate([prompt.ids, np.asarray(recorded.completion, dtype=np.int64)])
         return recorded, choice, Prefix(prompt.text + completion_text, ids)
 
-    async def _generate(
-        self, adm: Admission, prompt: _Prompt, sampling: Sampling, params: dict[str, Any]
-    ) -> list[Choice]:
-        """Generate and record all choices, or settle the admission and raise."""
+    async def _one(
+        self, prompt: _Prompt, grant: Grant, params: SamplingParams, stops: Sequence[str]
+    ) -> tuple[Call, Choice, Prefix]:
+        future = self._submit(prompt, params, grant)
+        try:
+            call = await asyncio.wrap_future(future)
+        except asyncio.CancelledError:
+            self.engine.abort(future)  # nobody will read it
+            raise
+        stop_ids = frozenset(params.stop_ids or ())
         loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self.pool, self._finish, prompt, call, stop_ids, stops)
+
+    async def _generate(
+        self, grant: Grant, prompt: _Prompt, sampling: RequestSampling, params: SamplingParams
+    ) -> list[Choice]:
+        """Generate and record all choices, or release the grant and raise."""
         extra_ids, _ = single_token_stops(self.tokenizer, sampling.stop)
-        stop_ids = self.config.stop_ids | extra_ids
-        job = partial(self._one, prompt, adm, params, stop_ids, sampling.stop)
-        futures = [loop.run_in_executor(self.pool, job) for _ in range(sampling.n)]
+        stop_ids = set(self.config.sampling.stop_ids or ()) | extra_ids
+        params = replace(params, max_tokens=grant.max_tokens, stop_ids=tuple(sorted(stop_ids)))
+        futures = [
+            asyncio.ensure_future(self._one(prompt, grant, params, sampling.stop))
+            for _ in range(sampling.n)
+        ]
         try:
             done, pending = await asyncio.wait(futures, return_when=asyncio.FIRST_EXCEPTION)
-            aborted = adm.stop.is_set()  # by a close or a disconnect, before any sibling stop
+            aborted = grant.stop.is_set()  # by a close or a disconnect, before any sibling stop
             if pending:  # one choice failed: the others are useless
-                adm.stop.set()
+                grant.stop.set()
                 await asyncio.wait(pending)
         except BaseException:  # cancelled with the client gone: abort and release
-            adm.stop.set()
-            self.table.settle(adm)
+            grant.stop.set()
+            for f in futures:
+                f.cancel()
+            self.table.release(grant)
             raise
         first = next((f.exception() for f in futures if f in done and f.exception()), None)
         if first is None:
             results = [f.result() for f in futures]
-            if self.table.record(adm, [r[0] for r in results], [r[2] for r in results]):
+            if self.table.record(grant, [r[0] for r in results], [r[2] for r in results]):
                 return [r[1] for r in results]
             aborted = True
         else:
-            self._settle_failed(adm, first, aborted)
-        status = self.table.status(adm.session)
+            self._release_failed(grant, first, aborted)
+        status = self.table.status(grant.session)
         if status is not None:
             raise status
         raise _ClientGone
 
-    def _settle_failed(self, adm: Admission, exc: BaseException, aborted: bool) -> None:
+    def _release_failed(self, grant: Grant, exc: BaseException, aborted: bool) -> None:
         if aborted or isinstance(exc, RequestError):
-            self.table.settle(adm)
+            self.table.release(grant)
             if isinstance(exc, RequestError):
                 raise exc
             return
         if isinstance(exc, ValueError):  # the engine refused this input
-            self.table.settle(adm)
+            self.table.release(grant)
             raise RequestError(
                 400, f"the engine refused the request: {exc}", code="engine_rejected"
             ) from None
-        text = f"engine failure: {type(exc).__name__}: {exc}"
-        log.error("%s for %s", text, adm.session.key, exc_info=exc)
-        self.table.settle(adm, error=text)
+        text = f"engine failure: {error_text(exc)}"
+        log.error("%s for %s", text, grant.session.key, exc_info=exc)
+        self.table.release(grant, error=text)
         raise RequestError(500, text, code="engine_error", kind="server_error") from None
 
     # ------------------------------------------------------------------ endpoints
@@ -344,7 +379,7 @@ class _Service:
             loop = asyncio.get_running_loop()
             history = self.table.history(session)
             prompt = await loop.run_in_executor(self.pool, kind.prompt, req, history)
-            adm = self.table.admit(
+            grant = self.table.grant(
                 session,
                 n=req.sampling.n,
                 requested=req.sampling.max_tokens,
@@ -357,17 +392,17 @@ class _Service:
             return Response(status_code=499)
         except Exception as exc:  # a gateway bug: the session's outcome is not the agent's
             if session is not None:
-                self.table.fail(session, f"gateway failure: {type(exc).__name__}: {exc}")
+                self.table.fail(session, f"gateway failure: {error_text(exc)}")
             raise
         rid = kind.id_prefix + secrets.token_hex(12)
         # Generation runs as its own task, watched for the client's disconnect, so the
-        # admission is settled even when a streaming response is never iterated.
-        task = asyncio.ensure_future(self._watched(request, adm, prompt, req.sampling, params))
+        # grant is released even when a streaming response is never iterated.
+        task = asyncio.ensure_future(self._watched(request, grant, prompt, req.sampling, params))
         self._tasks.add(task)
         task.add_done_callback(self._reap)
         if req.sampling.stream:
             return StreamingResponse(
-                self._stream(kind, rid, adm, task, len(prompt.ids), req.sampling),
+                self._stream(kind, rid, grant, task, len(prompt.ids), req.sampling),
                 media_type="text/event-stream",
                 headers={"cache-control": "no-cache"},
             )
@@ -378,14 +413,14 @@ class _Service:
         except _ClientGone:
             return Response(status_code=499)
         except BaseException:
-            adm.stop.set()
+            grant.stop.set()
             raise
         try:
             out = kind.response(
                 rid, self.config.model_name, len(prompt.ids), choices, req.sampling.logprobs
             )
         except Exception as exc:  # recorded, but the agent never got it
-            self.table.fail(adm.session, f"gateway failure: {type(exc).__name__}: {exc}")
+            self.table.fail(grant.session, f"gateway failure: {error_text(exc)}")
             raise
         return JSONResponse(out)
 
@@ -397,14 +432,14 @@ class _Service:
     async def _watched(
         self,
         request: Request,
-        adm: Admission,
+        grant: Grant,
         prompt: _Prompt,
-        sampling: Sampling,
-        params: dict[str, Any],
+        sampling: RequestSampling,
+        params: SamplingParams,
     ) -> list[Choice]:
-        watcher = asyncio.ensure_future(_watch_disconnect(request, adm.stop))
+        watcher = asyncio.ensure_future(_watch_disconnect(request, grant.stop))
         try:
-            return await self._generate(adm, prompt, sampling, params)
+            return await self._generate(grant, prompt, sampling, params)
         finally:
             watcher.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -414,10 +449,10 @@ class _Service:
         self,
         kind: _Kind,
         rid: str,
-        adm: Admission,
+        grant: Grant,
         task: asyncio.Future[list[Choice]],
         prompt_tokens: int,
-        sampling: Sampling,
+        sampling: RequestSampling,
     ) -> AsyncIterator[str]:
         model = self.config.model_name
         try:
@@ -429,7 +464,7 @@ class _Service:
         except _ClientGone:
             return
         except BaseException:  # the response was cancelled: nobody will read the call
-            adm.stop.set()
+            grant.stop.set()
             raise
         for chunk in kind.stream(
             rid,
@@ -483,7 +518,7 @@ def build_app(
             return _error(
                 RequestError(
                     500,
-                    f"gateway failure: {type(exc).__name__}: {exc}",
+                    f"gateway failure: {error_text(exc)}",
                     code="gateway_error",
                     kind="server_error",
                 )

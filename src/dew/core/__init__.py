@@ -1,0 +1,49 @@
+"""dew's core vocabulary, shared by every layer and importing nothing else of dew.
+
+* records: :class:`Task`, :class:`RolloutKey`, :class:`Call`, :class:`Rollout`,
+  :class:`Status`;
+* protocols: :class:`Session`, :class:`SessionSource` (where rollouts come from),
+  :class:`Engine` (where completions come from), :class:`Publisher` (where weights go);
+* :class:`SamplingParams`, validated once; :class:`Aborted`, how an engine reports a
+  stopped request;
+* :class:`ThreadedSource`, the base for sources written as blocking Python, and the
+  reward parsing every source applies (:func:`parse_reward`).
+
+Serving (engines), sources and the gateway build on this package and never on each
+other (``tests/test_layers.py`` checks the import graph).
+"""
+
+from dew.core.engine import Aborted, Engine, EngineError, Publisher, SamplingParams, Variables
+from dew.core.outcome import error_text, parse_reward
+from dew.core.threaded import ThreadedSession, ThreadedSource
+from dew.core.types import (
+    Call,
+    Rollout,
+    RolloutKey,
+    Session,
+    SessionSource,
+    Status,
+    Task,
+    cancelled_rollout,
+)
+
+__all__ = [
+    "Aborted",
+    "Call",
+    "Engine",
+    "EngineError",
+    "Publisher",
+    "Rollout",
+    "RolloutKey",
+    "SamplingParams",
+    "Session",
+    "SessionSource",
+    "Status",
+    "Task",
+    "ThreadedSession",
+    "ThreadedSource",
+    "Variables",
+    "cancelled_rollout",
+    "error_text",
+    "parse_reward",
+]

@@ -1,0 +1,186 @@
+"""ThreadedSource: a source whose rollouts are plain blocking Python on a bounded pool.
+
+Invariants:
+
+* every session resolves exactly once: to what ``run`` returned, to the exception
+  ``run`` raised (re-raised by ``result()`` with its traceback), or to a ``CANCELLED``
+  rollout when ``cancel()`` came before ``run`` returned;
+* each done-callback runs exactly once, after the session resolved, on whichever
+  thread resolved it (or on the caller's thread when added after that);
+* the worker pool is bounded by ``workers`` and owned by the source: ``close()`` sets
+  every running session's stop event, drops queued ones, waits until every session it
+  started has resolved (including sessions a subclass resolves off the pool, from an
+  engine's future, through :meth:`ThreadedSource.begin` and
+  :meth:`ThreadedSource.settle`) and joins the workers.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
+
+from dew.core._checks import as_int
+from dew.core.types import Rollout, RolloutKey, Session, Status, Task, cancelled_rollout
+
+__all__ = ["ThreadedSession", "ThreadedSource"]
+
+
+class ThreadedSession:
+    """One rollout of a :class:`ThreadedSource`: its task, key and ``stop`` event."""
+
+    def __init__(self, task: Task, key: RolloutKey) -> None:
+        self.task = task
+        self.key = key
+        self.stop = threading.Event()
+        self._future: Future[Rollout] = Future()
+        self._lock = threading.Lock()
+        self._callbacks: list[Callable[[Session], None]] = []
+        self._resolved = False
+        self._settled = threading.Event()  # set once the callbacks have run
+
+    def cancel(self) -> None:
+        self.stop.set()
+        # A session that has not begun running resolves now: nobody else will.
+        if self._future.cancel():
+            self._finish()
+
+    def done(self) -> bool:
+        return self._resolved
+
+    def result(self, timeout: float | None = None) -> Rollout:
+        try:
+            return self._future.result(timeout)
+        except CancelledError:
+            return cancelled_rollout(self.task, self.key)
+
+    def add_done_callback(self, fn: Callable[[Session], None]) -> None:
+        with self._lock:
+            if not self._resolved:
+                self._callbacks.append(fn)
+                return
+        fn(self)
+
+    def _finish(self) -> None:
+        with self._lock:
+            if self._resolved:
+                return
+            self._resolved = True
+            callbacks, self._callbacks = self._callbacks, []
+        try:
+            for fn in callbacks:
+                fn(self)
+        finally:
+            self._settled.set()
+
+
+class ThreadedSource:
+    """Base for sources whose rollout is plain blocking Python.
+
+    A subclass implements :meth:`run`; each session runs it on a bounded pool of
+    ``workers`` threads. ``run`` receives a ``stop`` event that ``cancel()`` sets: it
+    should check it between steps and hand it to the engine so generation aborts.
+    A thread stuck inside a step cannot be reclaimed, so environments must bound
+    their own step time.
+
+    A subclass that resolves sessions itself (say, from an engine's future, so that
+    no thread waits on a generation) opens them with :meth:`begin` and resolves them
+    with :meth:`settle` or :meth:`settle_on_pool`.
+    """
+
+    def __init__(self, *, workers: int = 8) -> None:
+        workers = as_int(workers, "workers")
+        if workers < 1:
+            raise ValueError(f"workers must be >= 1, got {workers}")
+        self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix=type(self).__name__)
+        self._lock = threading.Lock()
+        self._live: set[ThreadedSession] = set()
+        self._closed = False
+
+    def run(self, task: Task, key: RolloutKey, stop: threading.Event) -> Rollout:
+        raise NotImplementedError
+
+    def start(self, task: Task, key: RolloutKey) -> Session:
+        session = self._open(task, key)
+        try:
+            self._pool.submit(self._work, session)
+        except RuntimeError:
+            # The pool was shut down between the check and the submit (close() raced us).
+            session.cancel()
+            raise
+        return session
+
+    def begin(self, task: Task, key: RolloutKey) -> ThreadedSession:
+        """A new session that the subclass resolves itself, with :meth:`settle`.
+
+        It is marked running, so ``cancel()`` only sets its stop event; whoever holds
+        it must settle it. ``RuntimeError`` once the source is closed.
+        """
+        session = self._open(task, key)
+        session._future.set_running_or_notify_cancel()
+        return session
+
+    def _open(self, task: Task, key: RolloutKey) -> ThreadedSession:
+        """A new live session (forgotten once resolved); RuntimeError when closed."""
+        session = ThreadedSession(task, key)
+        with self._lock:
+            if self._closed:
+                raise RuntimeError(f"{type(self).__name__} is closed")
+            self._live.add(session)
+        session.add_done_callback(self._forget)
+        return session
+
+    def _work(self, session: ThreadedSession) -> None:
+        if not session._future.set_running_or_notify_cancel():
+            return  # cancel() already resolved it
+        self.settle(session, lambda: self.run(session.task, session.key, session.stop))
+
+    def settle(self, session: ThreadedSession, produce: Callable[[], Rollout]) -> None:
+        """Resolve a running session with what ``produce`` returns or raises.
+
+        A stop seen before or after ``produce`` turns the outcome into ``CANCELLED``.
+        """
+        try:
+            if session.stop.is_set():
+                out = cancelled_rollout(session.task, session.key)
+            else:
+                out = produce()
+                if session.stop.is_set() and out.status is not Status.CANCELLED:
+                    out = cancelled_rollout(session.task, session.key, out.calls)
+        except BaseException as exc:  # handed to result(); never swallowed
+            session._future.set_exception(exc)
+            session._finish()
+            if not isinstance(exc, Exception):
+                raise
+            return
+        session._future.set_result(out)
+        session._finish()
+
+    def settle_on_pool(self, session: ThreadedSession, produce: Callable[[], Rollout]) -> None:
+        """:meth:`settle` on a pool thread (for slow work such as a verifier); a source
+        closed meanwhile resolves the session as cancelled instead."""
+        try:
+            self._pool.submit(self.settle, session, produce)
+        except RuntimeError:  # close() shut the pool after stopping this session
+            self.settle(session, lambda: cancelled_rollout(session.task, session.key))
+
+    def _forget(self, session: Session) -> None:
+        with self._lock:
+            self._live.discard(session)  # type: ignore[arg-type]
+
+    def close(self) -> None:
+        """Stop every session, drop queued ones and join the worker threads."""
+        with self._lock:
+            self._closed = True
+            live = list(self._live)
+        for s in live:
+            s.cancel()
+        for s in live:  # running ones see their stop event; queued ones resolved in cancel()
+            s._settled.wait()
+        self._pool.shutdown(wait=True, cancel_futures=True)
+
+    def __enter__(self) -> ThreadedSource:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

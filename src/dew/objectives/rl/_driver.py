@@ -1,0 +1,287 @@
+"""The scheduler's driver thread: the one owner of admission and the session table.
+
+:class:`Driver` runs the :class:`~dew.objectives.rl.admission.Admission` state machine
+on a thread of its own. Every other thread (session done-callbacks, the trainer's
+stream reads and calls, ``close``) only appends events to its inbox; the driver
+handles them in order, carries out the resulting starts and cancels against the
+source, and enforces deadlines whenever one passes, whether or not a call waits.
+
+A source whose ``start`` or ``result`` raises breaks the driver's work: everything in
+flight is cancelled, the exception is kept as :attr:`Driver.failure`, and the trainer
+call that waits (or, when none waits, the next one) fails with that exception itself.
+A reopened stream clears it. The trainer-side half (weight pushes, packing,
+rescoring, records) is :class:`dew.objectives.rl.scheduler.RolloutScheduler`.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Any
+
+from dew.core import Rollout, RolloutKey, Session, SessionSource
+from dew.objectives.rl.admission import Admission, Cancel, Consumed, Start
+
+__all__ = ["Driver"]
+
+
+@dataclass
+class _Reply:
+    """A trainer call waiting on the driver."""
+
+    batch: Any
+    updates: int
+    future: Future[tuple[Consumed, dict[str, Any]]]
+
+
+class Driver:
+    """Owns the admission state machine, the session table and the thread driving them."""
+
+    def __init__(self, admission: Admission, source: SessionSource) -> None:
+        self._admission = admission
+        self._source = source
+        self._cond = threading.Condition()
+        self._inbox: deque[tuple[Any, ...]] = deque()
+        self._stopping = False
+        # Driver-thread state.
+        self._sessions: dict[RolloutKey, tuple[Session, float]] = {}
+        self._failure: BaseException | None = None
+        self._failure_raised = False  # whether a trainer call has raised _failure itself
+        self._waiting: _Reply | None = None
+        self._late_cancelled: list[Rollout] = []
+        self._thread = threading.Thread(target=self._drive, name="dew-scheduler", daemon=True)
+        self._thread.start()
+
+    # ------------------------------------------------------------------ any thread
+
+    def post(self, *event: Any) -> None:
+        """Queue an event for the driver thread."""
+        with self._cond:
+            self._inbox.append(event)
+            self._cond.notify()
+
+    def request(self, kind: str) -> None:
+        """Post ``reopen`` or ``close`` and wait until the driver handled it."""
+        done: Future[None] = Future()
+        self.post(kind, done)
+        done.result()
+
+    def call(self, batch: Any, updates: int) -> Future[tuple[Consumed, dict[str, Any]]]:
+        """Hand over the trainer's ``batch`` at ``updates``; resolves once it is consumed.
+
+        The result is the consumed groups and the record window's counts; it fails with
+        the source's exception, or a ``RuntimeError`` saying why no batch can come.
+        """
+        reply = _Reply(batch, updates, Future())
+        self.post("call", reply)
+        return reply.future
+
+    def stop(self) -> None:
+        """Cancel everything in flight and join the thread (once)."""
+        if self._thread.is_alive():
+            self.request("close")
+        with self._cond:
+            self._stopping = True
+            self._cond.notify_all()
+        self._thread.join()
+
+    @property
+    def failure(self) -> BaseException | None:
+        return self._failure
+
+    @property
+    def in_flight(self) -> int:
+        return self._admission.in_flight
+
+    def _on_done(self, key: RolloutKey, session: Session) -> None:
+        self.post("finished", key, session, time.monotonic())
+
+    # ------------------------------------------------------------------ driver thread
+
+    def _drive(self) -> None:
+        try:
+            self._loop()
+        except BaseException as exc:
+            # Never leave a trainer waiting on a dead driver; then let it propagate.
+            self._failure = self._failure or exc
+            self._fail_waiting(exc)
+            raise
+
+    def _loop(self) -> None:
+        adm = self._admission
+        while True:
+            with self._cond:
+                while not self._inbox and not self._stopping:
+                    deadline = adm.next_deadline()
+                    wait = None if deadline is None else deadline - time.monotonic()
+                    if wait is not None and wait <= 0:
+                        break
+                    self._cond.wait(wait)
+                if self._stopping and not self._inbox:
+                    return
+                events = list(self._inbox)
+                self._inbox.clear()
+            for event in events:
+                self._handle(event)
+            now = time.monotonic()
+            if self._failure is None and not adm.closed:
+                self._guard(lambda now=now: adm.expire(now))
+            self._try_consume()
+
+    def _handle(self, event: tuple[Any, ...]) -> None:
+        adm = self._admission
+        kind = event[0]
+        if kind == "finished":
+            _, key, session, at = event
+            entry = self._sessions.pop(key, None)
+            if entry is None:  # cancelled by us: the result is fenced off
+                self._observe_late(session)
+                return
+            if self._failure is not None:
+                return
+            submitted = entry[1]
+            self._guard(lambda: adm.finished(key, _stamp(session.result(), submitted, at), at))
+        elif kind == "register":
+            _, tasks, batch = event
+            adm.register(tasks, batch)
+        elif kind == "pushed":
+            adm.pushed(event[1])
+        elif kind == "call":
+            reply: _Reply = event[1]
+            self._start_call(reply)
+        elif kind == "reopen":
+            done: Future[None] = event[1]
+            self._fail_waiting(RuntimeError("the stream was reopened while a call waited"))
+            self._execute(adm.reopen())
+            self._failure = None
+            self._failure_raised = False
+            adm.reset_counts()
+            done.set_result(None)
+        elif kind == "close":
+            done = event[1]
+            self._fail_waiting(RuntimeError("the scheduler was closed while a call waited"))
+            self._execute(adm.close())
+            done.set_result(None)
+
+    def _start_call(self, reply: _Reply) -> None:
+        adm = self._admission
+        failure = self._failure
+        if failure is not None:
+            if not self._failure_raised:
+                # The source broke while no call waited: this call is the first to hear
+                # of it, and raises the source's own exception, with where it came from.
+                self._failure_raised = True
+                failure.add_note(_BETWEEN_CALLS)
+                reply.future.set_exception(failure)
+                return
+            err = RuntimeError(
+                "the scheduler stopped after its source failed; reopen the stream to resume"
+            )
+            err.__cause__ = failure
+            reply.future.set_exception(err)
+            return
+        if self._waiting is not None:
+            reply.future.set_exception(RuntimeError("another trainer call is already waiting"))
+            return
+        oldest = adm.oldest()
+        if oldest is None or oldest is not reply.batch:
+            reply.future.set_exception(
+                ValueError(
+                    "the rollout was handed a batch that is not the oldest one registered by "
+                    "scheduler.tasks(dataset).stream(); hand batches over in reading order"
+                )
+            )
+            return
+        self._waiting = reply
+        self._guard(lambda: adm.call(reply.updates, time.monotonic()))
+
+    def _try_consume(self) -> None:
+        reply = self._waiting
+        if reply is None:
+            return
+        if self._failure is not None:
+            self._waiting = None
+            self._failure_raised = True
+            reply.future.set_exception(self._failure)
+            return
+        adm = self._admission
+        result: list[Consumed | None] = [None]
+
+        def consume() -> list[Start | Cancel]:
+            result[0], actions = adm.consume(reply.updates, time.monotonic())
+            return actions
+
+        self._guard(consume)
+        if self._failure is not None:
+            self._try_consume()
+            return
+        if result[0] is not None:
+            counts = {
+                "resubmitted": dict(adm.resubmitted),
+                "cancelled": adm.cancelled,
+                "abandoned": adm.abandoned,
+                "dropped_rollouts": list(adm.dropped_rollouts),
+                "late_cancelled": self._late_cancelled,
+            }
+            self._late_cancelled = []
+            adm.reset_counts()
+            self._waiting = None
+            reply.future.set_result((result[0], counts))
+
+    def _guard(self, step: Callable[[], Sequence[Start | Cancel]]) -> None:
+        """Run a state-machine step and its actions; a raising source stops everything."""
+        try:
+            self._execute(step())
+        except Exception as exc:
+            self._break(exc)
+
+    def _execute(self, actions: Sequence[Start | Cancel]) -> None:
+        for action in actions:
+            if isinstance(action, Start):
+                session = self._source.start(action.task, action.key)
+                self._sessions[action.key] = (session, time.monotonic())
+                session.add_done_callback(lambda s, k=action.key: self._on_done(k, s))
+            else:
+                entry = self._sessions.pop(action.key, None)
+                if entry is not None:
+                    entry[0].cancel()
+
+    def _break(self, exc: BaseException) -> None:
+        if self._failure is None:
+            self._failure = exc
+        for session, _ in self._sessions.values():
+            session.cancel()
+        self._sessions.clear()
+        self._admission.reopen()  # forget the work; its sessions were cancelled above
+
+    def _fail_waiting(self, exc: BaseException) -> None:
+        if self._waiting is not None:
+            self._waiting.future.set_exception(exc)
+            self._waiting = None
+
+    def _observe_late(self, session: Session) -> None:
+        """A result of a rollout we cancelled: kept only for the length-bias figures."""
+        try:
+            r = session.result(0)
+        except Exception:
+            return
+        if r.calls:
+            self._late_cancelled.append(r)
+
+
+_BETWEEN_CALLS = (
+    "raised by the rollout source between trainer calls; the scheduler cancelled its work "
+    "in flight. Reopen the task stream (scheduler.tasks(dataset).stream()) to resume."
+)
+
+
+def _stamp(rollout: Rollout, submitted: float, finished: float) -> Rollout:
+    # The source handed this rollout over for good; the scheduler writes its timestamps
+    # into it rather than copying (at thousands of rollouts a call, a copy is real time).
+    object.__setattr__(rollout, "submitted", submitted)
+    object.__setattr__(rollout, "finished", finished)
+    return rollout
