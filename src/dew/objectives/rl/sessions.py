@@ -1,43 +1,18 @@
-"""The session vocabulary as the scheduler, pack and the objective use it.
+"""Sessions as the scheduler admits them: the protocol and the truncation policies.
 
-The records and protocols themselves live in :mod:`dew.core` (so that engines, sources
-and the gateway share them without importing each other); this module gathers them
-with what the RL side adds on top:
+A session (:class:`Session`, started by a :class:`SessionSource`) resolves to a
+:class:`dew.core.Rollout`; how a ``TRUNCATED`` one trains is its truncation policy
+(:mod:`dew.objectives.rl.truncation`): ``mask`` (the default) trains none of its tokens
+and keeps it out of its group's baseline, ``score`` trains it on its verifier reward
+(one without a reward runs again as a failed attempt, cause ``unscored``), ``zero``
+trains it with reward 0. A function ``fn(rollout) -> Truncation`` works wherever a
+name does.
 
-* :mod:`dew.objectives.rl.chains`: a rollout's calls merged into trained sequences;
-* :mod:`dew.objectives.rl.truncation`: what a TRUNCATED rollout trains on (``mask``,
-  ``score``, ``zero``, or a function of your own);
-* :mod:`dew.objectives.rl.metrics`: the figures each scheduler record carries.
+The records themselves live in :mod:`dew.core`, chains in
+:mod:`dew.objectives.rl.chains`, the per-call figures in :mod:`dew.objectives.rl.metrics`.
 """
 
-from dew.core import (
-    Call,
-    Rollout,
-    RolloutKey,
-    Session,
-    SessionSource,
-    Status,
-    Task,
-    ThreadedSource,
-)
-from dew.objectives.rl.chains import Chain, chains, merge_ratio
-from dew.objectives.rl.metrics import session_metrics
+from dew.core import Session, SessionSource
 from dew.objectives.rl.truncation import TRUNCATION_POLICIES, Truncation, truncation_policy
 
-__all__ = [
-    "TRUNCATION_POLICIES",
-    "Call",
-    "Chain",
-    "Rollout",
-    "RolloutKey",
-    "Session",
-    "SessionSource",
-    "Status",
-    "Task",
-    "ThreadedSource",
-    "Truncation",
-    "chains",
-    "merge_ratio",
-    "session_metrics",
-    "truncation_policy",
-]
+__all__ = ["TRUNCATION_POLICIES", "Session", "SessionSource", "Truncation", "truncation_policy"]
