@@ -104,3 +104,18 @@ def test_plan_command_prints_each_policy() -> None:
     assert any(line.startswith("ahead 1") for line in lines)
     help_out = python("-m", "dew.cli", "plan", "--help")
     assert help_out.returncode == 0 and "--preset" in help_out.stdout
+
+
+@pytest.mark.timeout(120)
+def test_serve_refuses_a_public_bind_without_a_key_before_loading_anything() -> None:
+    out = python("-m", "dew.cli", "serve", "--help")
+    assert out.returncode == 0 and "--api-key" in out.stdout, out.stderr
+    probe = (
+        "import sys\n"
+        "from dew.cli import main\n"
+        "code = main(['serve', '--demo', 'tiny', '--host', '0.0.0.0'])\n"
+        "print(code, sorted(m for m in ('torch', 'transformers') if m in sys.modules))\n"
+    )
+    env_free = python("-c", probe)
+    assert env_free.stdout.strip() == "2 []", env_free.stderr
+    assert "api key" in env_free.stderr.lower() and "0.0.0.0" in env_free.stderr

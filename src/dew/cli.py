@@ -1,5 +1,6 @@
 """The ``dew`` command: ``dew demo`` trains the example task, ``dew plot`` redraws a run,
-``dew plan`` predicts how each scheduling policy would use an engine.
+``dew plan`` predicts how each scheduling policy would use an engine, ``dew serve`` runs
+an engine process over HTTP.
 
 Parsing imports nothing heavy: torch, transformers and matplotlib load only inside
 the command that needs them, so ``dew --help`` answers at once.
@@ -93,6 +94,13 @@ def parser() -> argparse.ArgumentParser:
         help="predict each scheduling policy's throughput and lag (dew plan --help)",
     )
     plan.add_argument("args", nargs=argparse.REMAINDER)  # main() hands these to the planner
+
+    serve = sub.add_parser(
+        "serve",
+        add_help=False,  # `dew serve --help` is the server's own help
+        help="serve a model's continuous-batching engine over HTTP (dew serve --help)",
+    )
+    serve.add_argument("args", nargs=argparse.REMAINDER)  # main() hands these to dew.serve
     return p
 
 
@@ -103,6 +111,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from dew.plan.cli import main as plan_main
 
         return plan_main(argv[1:])
+    if argv[:1] == ["serve"]:
+        from dew.serve import main as serve_main
+
+        return serve_main(argv[1:])
     args = parser().parse_args(argv)
     run: Callable[[argparse.Namespace], int] = args.run
     return run(args)

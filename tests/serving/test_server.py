@@ -186,6 +186,8 @@ def test_properties_and_versions(qwen: torch.nn.Module) -> None:
         assert server.generate([5, 6], SamplingParams(max_tokens=2, stop_ids=())).version == 9
         server.load(qwen.state_dict(), 10)
         assert server.version == 10
+        assert server.alive
+    assert not server.alive  # closed
 
 
 def test_the_server_owns_a_copy(qwen: torch.nn.Module) -> None:

@@ -169,6 +169,13 @@ class RolloutServer(Engine):
         """The served model's end-of-sequence ids (from its generation config or config)."""
         return self._eos
 
+    @property
+    def alive(self) -> bool:
+        """Whether the engine still serves: not closed, its thread running and unbroken."""
+        with self._cond:
+            up = not self._closed and self._broken is None
+        return up and self._thread.is_alive()
+
     def stats(self) -> dict[str, int]:
         """Sizes of the internal tables (for tests and monitoring)."""
         with self._cond:

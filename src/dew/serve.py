@@ -1,0 +1,196 @@
+"""``dew serve``: one engine process over HTTP (see :mod:`dew.serving.http_server`).
+
+Loads a model (``--model`` a Hugging Face checkpoint folder, or ``--demo SIZE`` one of
+``dew.demo``'s Qwen2 configs), wraps it in a :class:`~dew.serving.RolloutServer` and
+serves it with uvicorn on a socket bound here (so ``--port 0`` works and the real port
+is known). Once it listens it prints exactly one line to stdout,
+``dew serve: listening on http://HOST:PORT``. SIGTERM or SIGINT aborts the in-flight
+requests (each answers the abort shape), stops uvicorn, closes the engine and exits 0.
+
+Binds 127.0.0.1 by default; any other host needs an API key (``--api-key`` or
+``DEW_API_KEY``), else it prints one line to stderr and exits 2 before loading anything.
+Importing this module is cheap: torch, transformers and fastapi load inside ``main``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ipaddress
+import os
+import signal
+import socket
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+__all__ = ["main"]
+
+_DTYPES = ("float32", "bfloat16", "float16")
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False  # a host name may resolve anywhere
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="dew serve", description="Serve one continuous-batching engine over HTTP."
+    )
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--model", metavar="PATH", help="a Hugging Face checkpoint folder")
+    src.add_argument("--demo", metavar="SIZE", help="a dew.demo Qwen2 model: tiny, small, base")
+    p.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=0, help="TCP port; 0 picks a free one (default)")
+    p.add_argument("--api-key", default=None, help="bearer token (default: env DEW_API_KEY)")
+    p.add_argument(
+        "--max-batch", type=int, default=None, help="active requests at most (engine default)"
+    )
+    p.add_argument("--max-len", type=int, default=None, help="prompt + completion tokens at most")
+    p.add_argument("--seed", type=int, default=0, help="sampler seed (and --demo weights)")
+    p.add_argument("--device", default=None, help="torch device (default: cuda if available)")
+    p.add_argument("--dtype", default="float32", choices=_DTYPES, help="weights dtype")
+    p.add_argument("--version", type=int, default=0, help="version of the initial weights")
+    return p
+
+
+def _load_model(args: argparse.Namespace, device: str) -> tuple[Any, str, str | None]:
+    """(model on ``device``, model_path to report, tokenizer_path or None)."""
+    import torch
+
+    dtype = getattr(torch, args.dtype)
+    if args.demo is not None:
+        from dew.demo.model import make_model
+
+        model = make_model("qwen2", args.demo, seed=args.seed)
+        return model.to(device=device, dtype=dtype), f"dew-demo:qwen2-{args.demo}", None
+    import transformers
+    from transformers import AutoModelForCausalLM
+
+    path = os.path.abspath(args.model)
+    if not os.path.isdir(path):
+        raise ValueError(f"--model {args.model}: not a checkpoint folder")
+    major, minor = (int(x) for x in transformers.__version__.split(".")[:2])
+    kind = "dtype" if (major, minor) >= (4, 56) else "torch_dtype"
+    model = AutoModelForCausalLM.from_pretrained(path, attn_implementation="sdpa", **{kind: dtype})
+    has_tokenizer = any(
+        os.path.exists(os.path.join(path, f)) for f in ("tokenizer.json", "tokenizer_config.json")
+    )
+    return model.to(device).eval(), path, path if has_tokenizer else None
+
+
+def _bind(host: str, port: int) -> socket.socket:
+    family, kind, proto, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(addr)
+        sock.listen(2048)
+    except BaseException:
+        sock.close()
+        raise
+    return sock
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run ``dew serve`` with ``argv`` (without the program and subcommand names)."""
+    try:
+        args = _parser().parse_args(argv)
+    except SystemExit as exc:  # --help, or a usage error argparse already printed
+        return exc.code if isinstance(exc.code, int) else 2
+    api_key = args.api_key or os.environ.get("DEW_API_KEY") or None
+    if not _is_loopback(args.host) and api_key is None:
+        print(
+            f"dew serve: refusing to bind {args.host}: a non-loopback host needs an API key "
+            "(--api-key or DEW_API_KEY)",
+            file=sys.stderr,
+            flush=True,
+        )
+        return 2
+
+    stopping: list[int] = []
+
+    def early_stop(sig: int, frame: object) -> None:  # until uvicorn takes the signals
+        del frame
+        stopping.append(sig)
+
+    previous = {s: signal.signal(s, early_stop) for s in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        return _serve(args, api_key, stopping)
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+
+
+def _serve(args: argparse.Namespace, api_key: str | None, stopping: list[int]) -> int:
+    import torch
+    import uvicorn
+
+    from dew.serving.http_server import build_app
+    from dew.serving.server import RolloutServer
+
+    try:
+        sock = _bind(args.host, args.port)
+    except OSError as exc:
+        print(f"dew serve: cannot bind {args.host}:{args.port}: {exc}", file=sys.stderr)
+        return 1
+    try:
+        device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+        try:
+            model, model_path, tokenizer_path = _load_model(args, device)
+            # Only what was given: the engine's own defaults are written once, there.
+            given = {"max_batch": args.max_batch} if args.max_batch is not None else {}
+            engine = RolloutServer(
+                model, version=args.version, max_len=args.max_len, seed=args.seed, **given
+            )
+        except (ValueError, OSError) as exc:
+            print(f"dew serve: {exc}", file=sys.stderr)
+            return 1
+        try:
+            app, state = build_app(
+                engine,
+                api_key=api_key,
+                model_path=model_path,
+                tokenizer_path=tokenizer_path,
+                reference=model.state_dict(),
+            )
+            del model  # the engine keeps its own copy
+            if stopping:
+                return 0
+            host = f"[{args.host}]" if ":" in args.host else args.host
+            url = f"http://{host}:{sock.getsockname()[1]}"
+
+            class _Server(uvicorn.Server):
+                async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+                    await super().startup(sockets)
+                    if self.started:
+                        print(f"dew serve: listening on {url}", flush=True)
+
+                async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+                    state.abort_all()  # each in-flight request answers the abort shape
+                    await super().shutdown(sockets)
+
+            config = uvicorn.Config(
+                app,
+                log_config=None,
+                access_log=False,
+                lifespan="off",
+                http="h11",
+                ws="none",
+                loop="asyncio",
+                timeout_graceful_shutdown=10,
+            )
+            _Server(config).run(sockets=[sock])
+        finally:
+            engine.close()
+    finally:
+        sock.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,599 @@
+"""HTTPEngine: the :class:`~dew.core.Engine` contract and a Publisher over one server.
+
+An :class:`HTTPEngine` drives one ``dew serve`` process (or a server speaking the same
+subset of SGLang's native API; :mod:`dew.serving.http_server` documents it) and looks
+to sources exactly like the in-process :class:`~dew.serving.RolloutServer`: ``submit``
+returns a future at once, the future resolves to a token-exact :class:`~dew.core.Call`,
+and ``load`` publishes weights under a version number.
+
+Threads: the engine owns one thread running one asyncio event loop; every HTTP
+exchange, every future resolution and all request bookkeeping happen on it. Two
+``httpx.AsyncClient`` pools live there: one for ``/generate`` (``max_connections``; a
+request beyond that waits for a free connection, within ``timeout``) and a small one
+for control requests (aborts, health, model info, weight pushes), so an abort never
+queues behind the generations it is meant to stop. Other threads reach the loop only
+through ``call_soon_threadsafe`` / ``run_coroutine_threadsafe``, under one lock that
+also guards ``closed``; ``close()`` joins the thread. Done-callbacks of ``submit``
+futures run on the loop thread: keep them short (``generate``, ``health`` and ``load``
+are refused there, as they would wait on the thread they block).
+
+Invariants:
+
+* Every future ``submit`` returns resolves exactly once: to a :class:`~dew.core.Call`,
+  to :class:`~dew.core.Aborted` (its ``stop`` event set, or :meth:`HTTPEngine.abort`),
+  to :class:`~dew.core.EngineError` (the request was lost to an infrastructure fault:
+  the server refused the connection, reset or closed it, did not answer within
+  ``timeout``, answered 5xx or answered something malformed; the scheduler resubmits
+  the rollout), to ``ValueError`` (the server refused the input with a 4xx: its message,
+  naming the field), or to ``RuntimeError`` (the engine was closed first). The future
+  is marked running before ``submit`` returns, so ``Future.cancel()`` cannot take it;
+  only the loop resolves it (or ``submit`` itself, for a stop already set).
+* Stopping: each request carries an ``rid``. One watcher task polls the ``stop``
+  events of the requests in flight every ``poll`` seconds; a stopped or aborted request
+  gets ``/abort_request`` (sent again every 0.2 s until its ``/generate`` answers, in
+  case the abort overtook the request), and the server answers the ``/generate`` with
+  finish reason ``abort`` and the tokens made so far: ``Aborted(tokens=n)``.
+* Retries only where a retry cannot run anything twice: any request whose connection
+  could not be made (nothing was sent) and, for the idempotent ``/abort_request``,
+  ``/health`` and ``/get_model_info``, broken connections and 5xx too. A ``/generate``
+  or a weight push that may have reached the server is never re-sent (the scheduler
+  decides what runs again), and no timeout is retried (it waited its whole budget).
+* ``version`` is the server's: set by ``/get_model_info``, ``/health`` and every push,
+  and raised (never lowered) by the ``weight_version`` of every response.
+* The ``Call`` is built from the response alone: prompt = the ids sent, completion =
+  ``output_ids``, ``log_probs`` from ``output_token_logprobs`` (checked to match the
+  ids), ``version`` = ``weight_version`` (the oldest weights that served a token),
+  ``temperature`` = ``dew_temperature`` and ``support`` = ``dew_support``, asked for
+  (``dew_return_support``) when the params filter or are greedy, as the in-process
+  engine keeps support then. Arguments are checked in the caller's thread with the
+  in-process engine's rules (``ValueError``), against the server's ``max_len``,
+  ``vocab_size`` and ``eos_token_ids`` read once at construction.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import shutil
+import tempfile
+import threading
+import uuid
+from collections.abc import Coroutine, Hashable, Mapping, Sequence
+from concurrent.futures import CancelledError, Future
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, TypeVar
+
+import httpx
+
+from dew.core import Aborted, Call, Engine, EngineError, SamplingParams
+from dew.core._checks import as_int
+from dew.serving._requests import make_request
+
+__all__ = ["HTTPEngine"]
+
+T = TypeVar("T")
+
+_RESEND = 0.2  # seconds between two /abort_request of one request still in flight
+_BACKOFF = (0.05, 0.2, 0.5)  # delays between the tries of a request safe to retry
+_CONTROL_CONNECTIONS = 8
+_SHM = Path("/dev/shm")
+
+
+class _CallFuture(Future[Call]):
+    """The future ``submit`` returns; carries its request id so ``abort`` finds it."""
+
+    def __init__(self, owner: HTTPEngine, rid: str) -> None:
+        super().__init__()
+        self.owner = owner
+        self.rid = rid
+
+
+@dataclass(eq=False)
+class _Pending:
+    """One request in flight; owned by the loop thread once registered."""
+
+    rid: str
+    body: dict[str, Any]
+    prompt: list[int]
+    keeps_support: bool
+    stop: threading.Event | None
+    future: _CallFuture
+    stopping: bool = False  # the caller asked for the request to end
+    abort_sent: float = float("-inf")  # loop time of the last /abort_request
+
+
+class HTTPEngine(Engine):
+    """An :class:`~dew.core.Engine` and :class:`~dew.core.Publisher` over one server.
+
+    ``url``: the server's base URL (``http://127.0.0.1:8000``). ``api_key``: sent as a
+    bearer token. ``weights_dir``: where :meth:`load` writes weights files (a folder the
+    server can read: shared memory or a shared filesystem); default a private folder
+    in ``/dev/shm`` (or the temp folder), removed by :meth:`close`. ``timeout``: seconds
+    a request may wait for its answer (a whole generation; also a weight push and a
+    wait for a free connection); ``connect_timeout``: seconds to open a connection.
+    ``max_connections``: the ``/generate`` pool's size. ``startup_timeout``: how long the
+    constructor keeps asking ``/get_model_info`` while the server does not answer; an
+    unreachable server then raises :class:`~dew.core.EngineError` naming the URL (a 4xx,
+    e.g. a bad API key, raises ``ValueError``). ``poll``: seconds between two looks at
+    the ``stop`` events of the requests in flight.
+    """
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        api_key: str | None = None,
+        weights_dir: str | Path | None = None,
+        timeout: float = 120.0,
+        connect_timeout: float = 5.0,
+        max_connections: int = 256,
+        startup_timeout: float = 10.0,
+        poll: float = 0.005,
+    ) -> None:
+        if not isinstance(url, str) or not url.startswith(("http://", "https://")):
+            raise ValueError(f"url must be an http(s) URL, got {url!r}")
+        numbers = {"timeout": timeout, "connect_timeout": connect_timeout, "poll": poll}
+        for name, value in {**numbers, "startup_timeout": startup_timeout}.items():
+            if not isinstance(value, (int, float)) or not value > 0:
+                raise ValueError(f"{name} must be a number > 0, got {value!r}")
+        max_connections = as_int(max_connections, "max_connections")
+        if max_connections < 1:
+            raise ValueError(f"max_connections must be >= 1, got {max_connections}")
+        self._url = url.rstrip("/")
+        self._headers = {} if api_key is None else {"Authorization": f"Bearer {api_key}"}
+        self._timeout = float(timeout)
+        self._connect_timeout = float(connect_timeout)
+        self._poll = float(poll)
+        self._weights_dir = None if weights_dir is None else Path(weights_dir)
+        self._own_dir: Path | None = None  # the private weights folder, made on first load
+        self._lock = threading.Lock()  # guards _closed, _version and scheduling onto the loop
+        self._closed = False
+        self._version = 0
+        self._inflight: dict[str, _Pending] = {}  # loop thread only
+        self._watcher: asyncio.Task[None] | None = None  # loop thread only
+        self._spawned: set[asyncio.Task[Any]] = set()  # loop thread only: strong refs
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(
+            target=self._run_loop, name=f"HTTPEngine({self._url})", daemon=True
+        )
+        self._thread.start()
+        pool = httpx.Limits(max_connections=max_connections, max_keepalive_connections=None)
+        self._gen = self._block(self._client(pool))
+        self._ctl = self._block(self._client(httpx.Limits(max_connections=_CONTROL_CONNECTIONS)))
+        try:
+            info = self._block(self._model_info(float(startup_timeout)))
+            try:
+                self._max_len = as_int(info["dew_max_len"], "dew_max_len")
+                self._vocab = as_int(info["dew_vocab_size"], "dew_vocab_size")
+                self._eos = tuple(as_int(t, "dew_eos_token_ids") for t in info["dew_eos_token_ids"])
+            except (KeyError, TypeError, ValueError) as exc:
+                raise EngineError(
+                    f"{self._url}/get_model_info does not describe the model as dew serve "
+                    f"does (dew_max_len, dew_vocab_size, dew_eos_token_ids): {exc!r}"
+                ) from None
+        except BaseException:
+            self.close()
+            raise
+        self._set_version(info.get("dew_version"), exact=True)
+
+    # ------------------------------------------------------------------ properties
+
+    @property
+    def url(self) -> str:
+        return self._url
+
+    @property
+    def version(self) -> int:
+        with self._lock:
+            return self._version
+
+    @property
+    def max_len(self) -> int:
+        """The longest prompt + completion a request may ask for (the server's)."""
+        return self._max_len
+
+    @property
+    def vocab_size(self) -> int:
+        return self._vocab
+
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        """The served model's end-of-sequence ids (``stop_ids=None`` stops at these)."""
+        return self._eos
+
+    @property
+    def in_flight(self) -> int:
+        """Requests sent and not yet resolved (a snapshot, from any thread)."""
+        return len(self._inflight)
+
+    # ------------------------------------------------------------------ Engine
+
+    def submit(
+        self,
+        prompt: Sequence[int],
+        params: SamplingParams,
+        *,
+        stop: threading.Event | None = None,
+        affinity: Hashable | None = None,
+    ) -> Future[Call]:
+        """Send a completion request for ``prompt``; returns its future at once.
+
+        Same rules as :meth:`dew.serving.RolloutServer.submit`: invalid arguments raise
+        ``ValueError`` here, a closed engine ``RuntimeError``; ``affinity`` means nothing
+        to one engine.
+        """
+        del affinity
+        request = make_request(
+            prompt, params, stop, vocab=self._vocab, max_len=self._max_len, eos=self._eos
+        )
+        rid = uuid.uuid4().hex
+        future = _CallFuture(self, rid)
+        future.set_running_or_notify_cancel()  # only the engine resolves it from now on
+        body = _body(request.prompt, params, rid, request.keeps_support)
+        pending = _Pending(rid, body, request.prompt, request.keeps_support, stop, future)
+        with self._lock:
+            if self._closed:
+                raise RuntimeError(f"HTTPEngine({self._url}) is closed")
+            if stop is not None and stop.is_set():
+                future.set_exception(Aborted("generation stopped before it started"))
+                return future
+            self._loop.call_soon_threadsafe(self._start, pending)
+        return future
+
+    def abort(self, future: Future[Call]) -> None:
+        """Ask the server to drop the request behind ``future``; returns at once.
+
+        The future then resolves to :class:`~dew.core.Aborted` (or to the call, if it
+        finished first). A resolved future, or one another engine made, is left alone.
+        """
+        if not isinstance(future, _CallFuture) or future.owner is not self or future.done():
+            return
+        with self._lock:
+            if not self._closed:
+                self._loop.call_soon_threadsafe(self._stop_request, future.rid)
+
+    def generate(
+        self,
+        prompt: Sequence[int],
+        params: SamplingParams,
+        *,
+        stop: threading.Event | None = None,
+        affinity: Hashable | None = None,
+    ) -> Call:
+        """:meth:`submit` and wait for the :class:`~dew.core.Call`."""
+        self._check_not_loop("generate")
+        return self.submit(prompt, params, stop=stop, affinity=affinity).result()
+
+    def health(self) -> bool:
+        """Whether the server answers ``GET /health`` with 200 within the connect
+        timeout; updates :attr:`version`. False once closed."""
+        self._check_not_loop("health")
+        try:
+            data = self._block(self._request("GET", "/health", None, retry=True, short=True))
+        except (EngineError, ValueError, RuntimeError):
+            return False
+        self._set_version(data.get("dew_version"), exact=True)
+        return True
+
+    # ------------------------------------------------------------------ Publisher
+
+    def load(self, variables: Any, version: int) -> None:
+        """Publish ``variables`` (an ``nn.Module`` or a state dict) as ``version``.
+
+        Writes one weights file (:func:`dew.serving.weights.write_weights`) into
+        ``weights_dir``, asks the server to load it, and removes the file once the
+        server answered. A refusal (a version not newer than the served one, names or
+        shapes that do not match) raises ``ValueError`` with the server's message; the
+        server keeps its old weights then.
+        """
+        from dew.serving.weights import write_weights
+
+        self._check_not_loop("load")
+        version = as_int(version, "version")
+        path = write_weights(variables, self._folder(), version)
+        try:
+            self.load_file(path, version)
+        finally:
+            Path(path).unlink(missing_ok=True)
+
+    def load_file(self, path: str | Path, version: int) -> None:
+        """Ask the server to load the weights file ``path`` (written by
+        :func:`dew.serving.weights.write_weights`) and serve it as ``version``.
+
+        A fleet writes the file once and pushes it to every engine this way. Never
+        retried: the server refuses a version it already serves.
+        """
+        self._check_not_loop("load_file")
+        version = as_int(version, "version")
+        body = {"model_path": str(Path(path).resolve()), "dew_version": version}
+        data = self._block(self._request("POST", "/update_weights_from_disk", body))
+        if data.get("success") is False:
+            raise ValueError(f"{self._url}: weights refused: {data.get('message')}")
+        self._set_version(data.get("dew_version", version), exact=True)
+
+    # ------------------------------------------------------------------ lifetime
+
+    def close(self) -> None:
+        """Fail every request still in flight with ``RuntimeError`` (and ask the server
+        to drop them), close the connection pools and join the loop thread."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            done = asyncio.run_coroutine_threadsafe(self._shutdown(), self._loop)
+        if threading.current_thread() is not self._thread:
+            done.result()
+            self._thread.join()
+        if self._own_dir is not None:
+            shutil.rmtree(self._own_dir, ignore_errors=True)
+
+    def __enter__(self) -> HTTPEngine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"HTTPEngine({self._url!r}, version={self._version})"
+
+    def _check_not_loop(self, name: str) -> None:
+        if threading.current_thread() is self._thread:
+            raise RuntimeError(
+                f"HTTPEngine.{name}() was called on the engine's loop thread (from a submit "
+                "future's done-callback); it would wait forever. Use submit() there."
+            )
+
+    def _block(self, coro: Coroutine[Any, Any, T]) -> T:
+        """Run ``coro`` on the loop and wait for it (its own deadlines bound the wait)."""
+        with self._lock:
+            if self._closed:
+                coro.close()
+                raise RuntimeError(f"HTTPEngine({self._url}) is closed")
+            done = asyncio.run_coroutine_threadsafe(coro, self._loop)
+        try:
+            return done.result()
+        except CancelledError:  # close() cancelled it
+            raise RuntimeError(f"HTTPEngine({self._url}) was closed meanwhile") from None
+
+    def _folder(self) -> Path:
+        if self._weights_dir is not None:
+            self._weights_dir.mkdir(parents=True, exist_ok=True)
+            return self._weights_dir
+        with self._lock:
+            if self._own_dir is None:
+                shm = _SHM if _SHM.is_dir() else None  # memory, not disk, where there is one
+                self._own_dir = Path(tempfile.mkdtemp(prefix="dew-weights-", dir=shm))
+            return self._own_dir
+
+    def _set_version(self, value: object, *, exact: bool) -> None:
+        if isinstance(value, bool) or not isinstance(value, int):
+            return  # an SGLang server's version is a label, not dew's number
+        with self._lock:
+            self._version = value if exact else max(self._version, value)
+
+    # ------------------------------------------------------------------ loop thread
+
+    def _run_loop(self) -> None:
+        asyncio.set_event_loop(self._loop)
+        try:
+            self._loop.run_forever()
+        finally:
+            self._loop.close()
+
+    async def _client(self, limits: httpx.Limits) -> httpx.AsyncClient:
+        timeout = httpx.Timeout(self._timeout, connect=self._connect_timeout)
+        return httpx.AsyncClient(
+            base_url=self._url, headers=self._headers, timeout=timeout, limits=limits
+        )
+
+    async def _model_info(self, within: float) -> dict[str, Any]:
+        deadline = self._loop.time() + within
+        while True:
+            try:
+                return await self._request("GET", "/get_model_info", None, short=True)
+            except EngineError as exc:
+                if self._loop.time() + 0.1 > deadline:
+                    raise EngineError(
+                        f"dew serve at {self._url} did not answer /get_model_info within "
+                        f"{within:g}s: {exc}"
+                    ) from None
+                await asyncio.sleep(0.1)
+
+    async def _request(
+        self, method: str, path: str, body: Any, *, retry: bool = False, short: bool = False
+    ) -> dict[str, Any]:
+        """One exchange; the JSON object a 200 answers. ``ValueError`` for a 4xx (the
+        server's message), :class:`EngineError` for a transport fault, a timeout, a 5xx
+        or a malformed answer. A connection never made is retried on every path
+        (nothing was sent); with ``retry`` (idempotent requests only) so are broken
+        connections and 5xx; a timeout never is (it already waited its whole budget).
+        ``short``: the answer is due within the connect timeout (requests that do no
+        work)."""
+        client = self._gen if path == "/generate" else self._ctl
+        timeout = httpx.Timeout(self._connect_timeout) if short else httpx.USE_CLIENT_DEFAULT
+        where = f"{self._url}{path}"
+        data: Any = None
+        for delay in (*_BACKOFF, None):
+            try:
+                response = await client.request(method, path, json=body, timeout=timeout)
+            except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
+                fault = EngineError(f"{where}: cannot connect: {exc!r}")
+            except httpx.TimeoutException as exc:
+                raise EngineError(f"{where}: no answer in time: {exc!r}") from None
+            except httpx.HTTPError as exc:
+                fault = EngineError(f"{where}: connection failed: {exc!r}")
+                if not retry:
+                    raise fault from None
+            else:
+                status = response.status_code
+                if 400 <= status < 500:
+                    raise ValueError(f"{where}: {status}: {_message(response)}")
+                if status == 200:
+                    with contextlib.suppress(ValueError):
+                        data = response.json()
+                    if not isinstance(data, dict):
+                        raise EngineError(f"{where}: the answer is not a JSON object")
+                    return data
+                fault = EngineError(f"{where}: {status}: {_message(response)}")
+                if not retry:
+                    raise fault
+            if delay is None:
+                raise fault
+            await asyncio.sleep(delay)
+        raise AssertionError("unreachable")
+
+    def _spawn(self, coro: Coroutine[Any, Any, Any]) -> asyncio.Task[Any]:
+        task = self._loop.create_task(coro)
+        self._spawned.add(task)
+        task.add_done_callback(self._spawned.discard)
+        return task
+
+    def _start(self, p: _Pending) -> None:
+        self._inflight[p.rid] = p
+        self._spawn(self._generate(p))
+        if self._watcher is None:
+            self._watcher = self._spawn(self._watch())
+
+    def _stop_request(self, rid: str) -> None:
+        p = self._inflight.get(rid)
+        if p is not None and not p.stopping:
+            p.stopping = True
+            self._send_abort(p)
+
+    def _send_abort(self, p: _Pending) -> None:  # sent again after _RESEND (see _watch)
+        p.abort_sent = self._loop.time()
+        self._spawn(self._abort_quietly(p.rid))
+
+    async def _abort_quietly(self, rid: str) -> None:
+        with contextlib.suppress(EngineError, ValueError):
+            await self._request("POST", "/abort_request", {"rid": rid}, retry=True, short=True)
+
+    async def _watch(self) -> None:
+        """Turn set ``stop`` events into aborts; runs while requests are in flight."""
+        try:
+            while self._inflight:
+                now = self._loop.time()
+                for p in list(self._inflight.values()):
+                    if not p.stopping and p.stop is not None and p.stop.is_set():
+                        p.stopping = True
+                    if p.stopping and now - p.abort_sent >= _RESEND:
+                        self._send_abort(p)
+                await asyncio.sleep(self._poll)
+        finally:
+            self._watcher = None
+
+    async def _generate(self, p: _Pending) -> None:
+        outcome: Call | BaseException
+        if p.stopping or (p.stop is not None and p.stop.is_set()):
+            outcome = Aborted("generation stopped before it was sent")
+        else:
+            try:
+                outcome = self._outcome(p, await self._request("POST", "/generate", p.body))
+            except (EngineError, ValueError) as exc:
+                outcome = exc
+            except asyncio.CancelledError:
+                raise  # close() cancelled it; _shutdown resolves the future
+            except Exception as exc:  # a bug of ours or httpx's: the request is lost
+                outcome = EngineError(f"{self._url}/generate: {exc!r}")
+        self._inflight.pop(p.rid, None)
+        _settle(p.future, outcome)
+
+    def _outcome(self, p: _Pending, data: Mapping[str, Any]) -> Call | BaseException:
+        try:
+            meta = data["meta_info"]
+            out = [int(t) for t in data["output_ids"]]
+            finish = meta.get("finish_reason")
+            kind = finish.get("type") if isinstance(finish, Mapping) else finish
+            if kind == "abort":
+                if p.stopping or (p.stop is not None and p.stop.is_set()):
+                    tokens = as_int(meta.get("completion_tokens", len(out)), "completion_tokens")
+                    return Aborted("generation stopped", tokens=tokens)
+                return EngineError(f"{self._url}/generate: the server aborted the request")
+            if kind not in ("stop", "length"):
+                raise ValueError(f"unknown finish reason {finish!r}")
+            rows = meta["output_token_logprobs"]
+            if [int(r[1]) for r in rows] != out or not out:
+                raise ValueError("output_token_logprobs do not match output_ids")
+            log_probs = [float(r[0]) for r in rows]
+            version = meta.get("weight_version")
+            if isinstance(version, bool) or not isinstance(version, int):
+                version = self.version  # a server without dew's version field
+            else:
+                self._set_version(version, exact=False)
+            temperature = meta.get("dew_temperature")
+            support = meta.get("dew_support") if p.keeps_support else None
+            if p.keeps_support and (support is None or len(support) != len(out)):
+                raise ValueError("dew_support is missing or does not match output_ids")
+            return Call(
+                prompt=p.prompt,
+                completion=out,
+                log_probs=log_probs,
+                version=version,
+                temperature=float(temperature or p.body["sampling_params"]["temperature"] or 1),
+                support=None if support is None else [[int(t) for t in s] for s in support],
+                finish_reason=kind,
+            )
+        except (KeyError, TypeError, ValueError, IndexError) as exc:
+            return EngineError(f"{self._url}/generate: malformed answer: {exc!r}")
+
+    async def _shutdown(self) -> None:
+        """Fail what is in flight, ask the server to drop it, close the pools, stop."""
+        pending = list(self._inflight.values())
+        self._inflight.clear()
+        error = RuntimeError(f"HTTPEngine({self._url}) was closed before this request finished")
+        for p in pending:
+            _settle(p.future, error)
+        aborts = [self._spawn(self._abort_quietly(p.rid)) for p in pending]
+        if aborts:
+            await asyncio.wait(aborts, timeout=min(1.0, self._connect_timeout))
+        others = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+        for task in others:
+            task.cancel()  # open /generate exchanges disconnect: the server drops them
+        await asyncio.gather(*others, return_exceptions=True)
+        await self._gen.aclose()
+        await self._ctl.aclose()
+        self._loop.call_soon(self._loop.stop)
+
+
+def _body(prompt: list[int], params: SamplingParams, rid: str, support: bool) -> dict[str, Any]:
+    """The ``/generate`` request: dew serve's wire format (notes/wire.md)."""
+    sampling: dict[str, Any] = {"max_new_tokens": params.max_tokens}
+    for key, value in (
+        ("temperature", params.temperature),
+        ("top_k", params.top_k),  # absent = off, as SGLang's -1
+        ("top_p", params.top_p),
+        ("stop_token_ids", None if params.stop_ids is None else list(params.stop_ids)),
+    ):
+        if value is not None:
+            sampling[key] = value
+    body = {"input_ids": prompt, "sampling_params": sampling, "return_logprob": True, "rid": rid}
+    if support:
+        body["dew_return_support"] = True
+    return body
+
+
+def _settle(future: Future[Call], outcome: Call | BaseException) -> None:
+    if not future.done():
+        if isinstance(outcome, BaseException):
+            future.set_exception(outcome)
+        else:
+            future.set_result(outcome)
+
+
+def _message(response: httpx.Response) -> str:
+    """The server's error: dew's ``{"error": {"message", "param"}}`` as ``param: message``,
+    else a ``message`` or ``detail`` field, else the raw text."""
+    try:
+        data = response.json()
+    except ValueError:
+        return response.text[:500] or response.reason_phrase
+    if isinstance(data, Mapping):
+        error = data.get("error")
+        if isinstance(error, Mapping) and "message" in error:
+            param = error.get("param")
+            return f"{param}: {error['message']}" if param else str(error["message"])
+        for key in ("message", "detail"):
+            if key in data:
+                return str(data[key])
+    return str(data)[:500]

@@ -1,0 +1,479 @@
+"""``dew serve`` as a real process on 127.0.0.1: token exactness, weight pushes, bad input,
+aborts, auth, refusal to bind, shutdown. Nothing here mocks the server."""
+
+from __future__ import annotations
+
+import socket
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import httpx
+import numpy as np
+import pytest
+import torch
+
+from dew.objectives.rl.grpo import GRPOObjective
+from dew.serving.weights import BroadcastGroup, tensor_specs, write_weights
+
+from ._helpers import Worker, hf_greedy, lively, prompts
+from ._launch import Served, launch, run_once, serve
+
+BOUND = 2e-4  # the in-process engine's bound against a full forward (test_server.py)
+LONG = 1000  # completion tokens (of a 2-token prompt) of a request that outlives the checks
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, torch.nn.Module]:
+    model = lively("qwen2", 1)
+    folder = tmp_path_factory.mktemp("ckpt")
+    model.save_pretrained(folder)
+    return folder, model
+
+
+@pytest.fixture(scope="module")
+def served(checkpoint: tuple[Path, torch.nn.Module]) -> Iterator[Served]:
+    with serve("--model", str(checkpoint[0]), "--seed", "3", "--max-batch", "16") as s:
+        yield s
+
+
+def _body(ids: list[int], max_new: int, **sampling: Any) -> dict[str, Any]:
+    return {
+        "input_ids": ids,
+        "sampling_params": {"max_new_tokens": max_new, "stop_token_ids": [], **sampling},
+        "return_logprob": True,
+        "dew_return_support": True,
+    }
+
+
+def trainer_log_probs(
+    model: torch.nn.Module,
+    prompt: list[int],
+    completion: list[int],
+    temperature: float,
+    support: list[list[int]] | None,
+) -> list[float]:
+    """The trainer's log-probs of ``completion``: GRPOObjective.packed_log_probs on one row."""
+    tokens = np.array([prompt + completion])
+    width = tokens.shape[1]
+    batch: dict[str, np.ndarray] = {
+        "tokens": tokens,
+        "positions": np.arange(width)[None],
+        "segments": np.ones((1, width), np.int64),
+    }
+    if support is not None:
+        rows: list[list[int]] = [[] for _ in prompt] + support
+        offsets = np.zeros((1, width + 1), np.int64)
+        offsets[0, 1:] = np.cumsum([len(r) for r in rows])
+        batch["support"] = np.array([[t for r in rows for t in r]], np.int64)
+        batch["support_offsets"] = offsets
+    with torch.no_grad():
+        logp = GRPOObjective(temperature=temperature).packed_log_probs(model, batch)
+    return logp[0, len(prompt) :].tolist()
+
+
+def _check_exact(model: torch.nn.Module, prompt: list[int], out: dict[str, Any]) -> None:
+    meta = out["meta_info"]
+    completion = out["output_ids"]
+    lps = [row[0] for row in meta["output_token_logprobs"]]
+    assert [row[1] for row in meta["output_token_logprobs"]] == completion
+    want = trainer_log_probs(
+        model, prompt, completion, meta["dew_temperature"], meta["dew_support"]
+    )
+    assert lps == pytest.approx(want, abs=BOUND)
+
+
+# --------------------------------------------------------------------------- exactness
+
+
+@pytest.mark.timeout(180)
+def test_log_probs_match_the_trainer_and_greedy_matches_generate(
+    served: Served, checkpoint: tuple[Path, torch.nn.Module]
+) -> None:
+    model = checkpoint[1]
+    vocab = model.config.vocab_size
+    batch = prompts(6, vocab, seed=2)
+    settings = [
+        {"temperature": 1.0},
+        {"temperature": 0.7},
+        {"temperature": 1.3, "top_k": 5},
+        {"temperature": 0.8, "top_p": 0.5},
+        {"temperature": 1.0, "top_k": 20, "top_p": 0.9},
+        {"temperature": 0.0},
+    ]
+    with served.client() as client, ThreadPoolExecutor(len(batch)) as pool:
+        outs = list(
+            pool.map(
+                lambda a: client.post("/generate", json=_body(a[0], 16, **a[1])),
+                zip(batch, settings, strict=True),
+            )
+        )
+    for p, s, r in zip(batch, settings, outs, strict=True):
+        assert r.status_code == 200, r.text
+        out = r.json()
+        meta = out["meta_info"]
+        assert meta["finish_reason"] == {"type": "length", "length": 16}
+        assert (meta["prompt_tokens"], meta["completion_tokens"]) == (len(p), 16)
+        assert meta["weight_version"] == 0
+        assert meta["dew_temperature"] == (s["temperature"] or 1.0)
+        filtered = "top_k" in s or "top_p" in s or s["temperature"] == 0
+        assert (meta["dew_support"] is not None) == filtered
+        _check_exact(model, p, out)
+        if s["temperature"] == 0:
+            assert out["output_ids"] == hf_greedy(model, p, 16)
+
+
+@pytest.mark.timeout(120)
+def test_stop_ids_default_to_eos_and_rid_comes_back(served: Served) -> None:
+    with served.client() as client:
+        info = client.get("/get_model_info").json()
+        assert info["is_generation"] is True and info["dew_vocab_size"] == 102
+        assert info["dew_max_len"] == 1024 and info["dew_version"] == 0
+        greedy = client.post("/generate", json=_body([7, 8, 9], 6, temperature=0)).json()
+        stop = greedy["output_ids"][2]
+        body = _body([7, 8, 9], 6, temperature=0, stop_token_ids=[stop])
+        out = client.post("/generate", json={**body, "rid": "mine"}).json()
+        assert out["output_ids"] == greedy["output_ids"][: greedy["output_ids"].index(stop) + 1]
+        assert out["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop}
+        assert out["meta_info"]["id"] == "mine"
+        plain = {"input_ids": [7], "sampling_params": {"max_new_tokens": 2}}
+        meta = client.post("/generate", json=plain).json()["meta_info"]
+        assert "output_token_logprobs" not in meta and meta["dew_support"] is None
+
+
+# --------------------------------------------------------------------------- bad input
+
+
+def _long(rid: str) -> dict[str, Any]:
+    return {**_body([7, 8], LONG), "rid": rid}
+
+
+def _still_served_then_abort(client: httpx.Client, long: Worker, rid: str) -> None:
+    """The long request ran through everything checked meanwhile; abort it, see it answer."""
+    assert not long.done.is_set(), "the long request ended before the checks did"
+    assert client.post("/abort_request", json={"rid": rid}).json()["success"] is True
+    r = long.join()
+    assert isinstance(r, httpx.Response) and r.status_code == 200, r
+    meta = r.json()["meta_info"]
+    assert meta["finish_reason"] == {"type": "abort"} and meta["completion_tokens"] > 0
+
+
+_BAD: list[tuple[str, Any, str]] = [
+    ("/generate", b"{bad json", "body"),
+    ("/generate", b"[1, 2]", "body"),
+    ("/generate", {"input_ids": [7], "sampling_params": {"max_new_tokens": 2}, "x": 1}, "x"),
+    ("/generate", {"input_ids": [7], "sampling_params": {"max_new_tokens": 2, "seed": 1}},
+     "sampling_params.seed"),
+    ("/generate", {"sampling_params": {"max_new_tokens": 2}}, "input_ids"),
+    ("/generate", {"input_ids": [7]}, "sampling_params"),
+    ("/generate", {"input_ids": [7], "sampling_params": {}}, "sampling_params.max_new_tokens"),
+    ("/generate", {"text": "hi", "sampling_params": {"max_new_tokens": 2}}, "text"),
+    ("/generate", {"input_ids": [], "sampling_params": {"max_new_tokens": 2}}, "input_ids"),
+    ("/generate", {"input_ids": [7, 102], "sampling_params": {"max_new_tokens": 2}}, "input_ids"),
+    ("/generate", {"input_ids": [-1], "sampling_params": {"max_new_tokens": 2}}, "input_ids"),
+    ("/generate", {"input_ids": ["7"], "sampling_params": {"max_new_tokens": 2}}, "input_ids"),
+    ("/generate", {"input_ids": [7] * 1024, "sampling_params": {"max_new_tokens": 1}}, "input_ids"),
+    ("/generate", {"input_ids": [7] * 1000, "sampling_params": {"max_new_tokens": 25}},
+     "sampling_params.max_new_tokens"),
+    ("/generate", {"input_ids": [7], "sampling_params": {"max_new_tokens": 0}},
+     "sampling_params.max_new_tokens"),
+    ("/generate", {"input_ids": [7], "sampling_params": {"max_new_tokens": -3}},
+     "sampling_params.max_new_tokens"),
+    ("/generate", {"input_ids": [7], "sampling_params": {"max_new_tokens": 2.5}},
+     "sampling_params.max_new_tokens"),
+    ("/generate", {"input_ids": [7], "sampling_params": {"max_new_tokens": 2, "temperature": -1}},
+     "sampling_params.temperature"),
+    ("/generate", {"input_ids": [7], "sampling_params": {"max_new_tokens": 2, "top_k": 0}},
+     "sampling_params.top_k"),
+    ("/generate", {"input_ids": [7], "sampling_params": {"max_new_tokens": 2, "top_p": 1.5}},
+     "sampling_params.top_p"),
+    ("/generate", {"input_ids": [7], "sampling_params": {"max_new_tokens": 2,
+                                                          "stop_token_ids": [500]}},
+     "sampling_params.stop_token_ids"),
+    ("/generate", {"input_ids": [7], "sampling_params": {"max_new_tokens": 2},
+                   "return_logprob": "yes"}, "return_logprob"),
+    ("/abort_request", {}, "rid"),
+    ("/abort_request", {"rid": "a", "abort_all": True}, "abort_all"),
+    ("/update_weights_from_disk", {"model_path": "/nope"}, "dew_version"),
+    ("/update_weights_from_disk", {"model_path": "/nope", "dew_version": 5}, "model_path"),
+    ("/update_weights_from_distributed",
+     {"names": [], "dtypes": [], "shapes": [], "group_name": "none", "dew_version": 5},
+     "group_name"),
+]  # fmt: skip
+
+
+@pytest.mark.timeout(180)
+def test_bad_input_answers_4xx_naming_the_field_while_serving(served: Served) -> None:
+    with served.client() as client:
+        long = Worker(lambda: client.post("/generate", json=_long("bad-input")))
+        for path, body, param in _BAD:
+            if isinstance(body, bytes):
+                r = client.post(path, content=body, headers={"content-type": "application/json"})
+            else:
+                r = client.post(path, json=body)
+            assert 400 <= r.status_code < 500, (path, body, r.status_code, r.text)
+            error = r.json()["error"]
+            assert error["param"] == param, (body, error)
+            assert error["type"] == "invalid_request_error"
+            assert param.rsplit(".", 1)[-1] in error["message"] or param == "body", error
+        assert client.get("/nope").status_code == 404
+        assert client.get("/generate").status_code == 405
+        _still_served_then_abort(client, long, "bad-input")
+        assert client.get("/health").json() == {"status": "ok", "dew_version": 0}
+
+
+# --------------------------------------------------------------------------- aborts
+
+
+def _in_flight(client: httpx.Client, rid: str) -> bool:
+    """A rid is in flight iff a valid one-token request reusing it is refused."""
+    r = client.post("/generate", json={**_body([7], 1), "rid": rid})
+    if r.status_code == 400:
+        assert r.json()["error"]["param"] == "rid"
+        return True
+    assert r.status_code == 200, r.text
+    return False
+
+
+@pytest.mark.timeout(180)
+def test_abort_by_rid_and_by_client_disconnect(served: Served) -> None:
+    with served.client() as client:
+        kept = Worker(lambda: client.post("/generate", json={**_body([9, 8], LONG), "rid": "B"}))
+        with httpx.Client(base_url=served.url, timeout=httpx.Timeout(60.0, read=0.5)) as short:
+            with pytest.raises(httpx.ReadTimeout):  # the client gives up and disconnects
+                short.post("/generate", json={**_body([9, 8], LONG), "rid": "A"})
+        deadline = time.monotonic() + 30
+        while _in_flight(client, "A"):
+            assert time.monotonic() < deadline, "the disconnected request was never dropped"
+            time.sleep(0.05)
+        assert _in_flight(client, "B"), "B ran as long as A: A ended by itself, not by abort"
+        assert client.post("/abort_request", json={"rid": "B"}).json()["success"] is True
+        r = kept.join()
+        assert isinstance(r, httpx.Response) and r.status_code == 200
+        meta = r.json()["meta_info"]
+        assert meta["finish_reason"] == {"type": "abort"} and meta["id"] == "B"
+        assert 0 < meta["completion_tokens"] < LONG and meta["weight_version"] == 0
+        again = client.post("/abort_request", json={"rid": "B"}).json()
+        assert again["success"] is False  # finished: idempotent, nothing to do
+        assert client.post("/abort_request", json={"rid": "never"}).json()["success"] is False
+        assert client.get("/health").status_code == 200
+
+
+# --------------------------------------------------------------------------- weight pushes
+
+
+def _greedy_hits(model: torch.nn.Module, prompt: list[int], completion: list[int]) -> np.ndarray:
+    """Per completion token: is it ``model``'s argmax given the tokens before it."""
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor([prompt + completion])).logits[0]
+    best = logits[len(prompt) - 1 : -1].argmax(-1).numpy()
+    return best == np.array(completion)
+
+
+def _split(
+    old: torch.nn.Module, new: torch.nn.Module, prompt: list[int], out: dict[str, Any]
+) -> int:
+    """The k such that tokens before k follow ``old`` and from k on ``new``: exact log-probs
+    when sampled, argmax when greedy (whose log-probs are all 0)."""
+    meta = out["meta_info"]
+    completion, temp, sup = out["output_ids"], meta["dew_temperature"], meta["dew_support"]
+    if sup is not None and all(len(row) == 1 for row in sup):  # greedy
+        a, b = _greedy_hits(old, prompt, completion), _greedy_hits(new, prompt, completion)
+    else:
+        got = np.array([row[0] for row in meta["output_token_logprobs"]])
+        a = np.abs(got - trainer_log_probs(old, prompt, completion, temp, sup)) <= BOUND
+        b = np.abs(got - trainer_log_probs(new, prompt, completion, temp, sup)) <= BOUND
+    n = len(completion)
+    splits = [k for k in range(1, n) if a[:k].all() and b[k:].all()]
+    assert splits, f"no split: old matches {a.sum()}/{n}, new matches {b.sum()}/{n}"
+    assert not a.all() and not b.all(), "the push did not land inside the request"
+    return splits[0]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_calls_spanning_a_weight_push(
+    checkpoint: tuple[Path, torch.nn.Module], tmp_path: Path
+) -> None:
+    old, new = checkpoint[1], lively("qwen2", 2)
+    path = write_weights(new, tmp_path, 1)
+    with serve("--model", str(checkpoint[0]), "--seed", "4") as s, s.client(240) as client:
+        reqs = [([11, 12], {"temperature": 1.0}), ([14, 15], {"temperature": 0.0})]
+        workers = [Worker(lambda p=p, k=k: client.post("/generate", json=_body(p, LONG, **k)))
+                   for p, k in reqs]  # fmt: skip
+        time.sleep(0.3)  # both are decoding
+        push = client.post("/update_weights_from_disk", json={"model_path": str(path),
+                                                               "dew_version": 1})  # fmt: skip
+        assert push.status_code == 200, push.text
+        assert push.json() == {"success": True, "message": push.json()["message"],
+                               "dew_version": 1}  # fmt: skip
+        assert not any(w.done.is_set() for w in workers), "a request ended before the push"
+        for (prompt, _), w in zip(reqs, workers, strict=True):
+            r = w.join()
+            assert isinstance(r, httpx.Response) and r.status_code == 200, r
+            out = r.json()
+            assert out["meta_info"]["weight_version"] == 0  # the oldest that served a token
+            _split(old, new, prompt, out)
+        after = client.post("/generate", json=_body([11, 12], 12)).json()
+        assert after["meta_info"]["weight_version"] == 1
+        _check_exact(new, [11, 12], after)
+        assert client.get("/health").json()["dew_version"] == 1
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_api_key_and_refused_pushes_keep_the_old_weights(
+    checkpoint: tuple[Path, torch.nn.Module], tmp_path: Path
+) -> None:
+    old = checkpoint[1]
+    good = write_weights(lively("qwen2", 2), tmp_path / "good", 3)
+    data = good.read_bytes()
+    truncated = tmp_path / "truncated.safetensors"
+    truncated.write_bytes(data[: len(data) - 100])
+    corrupt = tmp_path / "corrupt.safetensors"
+    flipped = bytearray(data)
+    flipped[-5] ^= 0x10
+    corrupt.write_bytes(bytes(flipped))
+    llama = write_weights(lively("llama", 2), tmp_path / "llama", 4)
+    prompt = [21, 22, 23]
+    want = hf_greedy(old, prompt, 8)
+    with serve("--model", str(checkpoint[0]), "--version", "2", api_key="s3cret") as s:
+        with httpx.Client(base_url=s.url, timeout=60) as anon:
+            assert anon.get("/health").status_code == 200  # no key needed
+            for bad in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "s3cret"}):
+                for method, path in (("GET", "/get_model_info"), ("POST", "/generate"),
+                                     ("POST", "/update_weights_from_disk")):  # fmt: skip
+                    r = anon.request(method, path, json=_body(prompt, 2), headers=bad)
+                    assert r.status_code == 401, (bad, path, r.text)
+                    assert r.json()["error"]["param"] == "authorization"
+        with s.client() as client:
+            long = Worker(lambda: client.post("/generate", json=_long("refusals")))
+            refusals = [
+                ({"model_path": str(good), "dew_version": 2}, "dew_version"),  # not newer
+                ({"model_path": str(good), "dew_version": 1}, "dew_version"),  # older
+                ({"model_path": str(good), "dew_version": 5}, "dew_version"),  # file says 3
+                ({"model_path": str(truncated), "dew_version": 3}, "model_path"),
+                ({"model_path": str(corrupt), "dew_version": 3}, "model_path"),
+                ({"model_path": str(tmp_path / "missing"), "dew_version": 3}, "model_path"),
+                ({"model_path": str(llama), "dew_version": 4}, "model_path"),  # wrong shapes
+            ]
+            for body, param in refusals:
+                r = client.post("/update_weights_from_disk", json=body)
+                assert r.status_code == 400, (body, r.text)
+                out = r.json()
+                assert out["success"] is False and out["error"]["param"] == param, out
+                assert client.get("/health").json() == {"status": "ok", "dew_version": 2}
+                greedy = client.post("/generate", json=_body(prompt, 8, temperature=0)).json()
+                assert greedy["output_ids"] == want and greedy["meta_info"]["weight_version"] == 2
+            _still_served_then_abort(client, long, "refusals")
+            ok = client.post("/update_weights_from_disk", json={"model_path": str(good),
+                                                                "dew_version": 3})  # fmt: skip
+            assert ok.status_code == 200 and ok.json()["dew_version"] == 3
+            after = client.post("/generate", json=_body(prompt, 8, temperature=0)).json()
+            assert after["meta_info"]["weight_version"] == 3
+            assert after["output_ids"] == hf_greedy(lively("qwen2", 2), prompt, 8)
+
+
+@pytest.mark.timeout(240)
+def test_broadcast_push_over_http(checkpoint: tuple[Path, torch.nn.Module]) -> None:
+    new = lively("qwen2", 3)
+    names, dtypes, shapes = tensor_specs(new)
+    port = _free_port()
+    with serve("--model", str(checkpoint[0])) as s, s.client() as client:
+        trainer = Worker(lambda: BroadcastGroup("127.0.0.1", port, 2, group_name="g", timeout=60))
+        init = {"master_address": "127.0.0.1", "master_port": port, "rank_offset": 1,
+                "world_size": 2, "group_name": "g", "backend": "gloo"}  # fmt: skip
+        r = client.post("/init_weights_update_group", json=init)
+        assert r.status_code == 200 and r.json()["success"] is True, r.text
+        group = trainer.join()
+        assert isinstance(group, BroadcastGroup), trainer.error
+        push = {"names": names, "dtypes": dtypes, "shapes": shapes, "group_name": "g"}
+        refused = client.post("/update_weights_from_distributed", json={**push, "dew_version": 0})
+        assert refused.status_code == 400 and refused.json()["error"]["param"] == "dew_version"
+        wrong = [[1, *shapes[0]], *shapes[1:]]
+        r = client.post("/update_weights_from_distributed",
+                        json={**push, "shapes": wrong, "dew_version": 1})  # fmt: skip
+        assert r.status_code == 400 and r.json()["error"]["param"] == "shapes", r.text
+        taker = Worker(
+            lambda: client.post("/update_weights_from_distributed", json={**push, "dew_version": 1})
+        )
+        group.broadcast(new)
+        r = taker.join()
+        assert isinstance(r, httpx.Response) and r.status_code == 200, r
+        assert r.json()["dew_version"] == 1
+        out = client.post("/generate", json=_body([5, 6, 7], 10, temperature=0)).json()
+        assert out["meta_info"]["weight_version"] == 1
+        assert out["output_ids"] == hf_greedy(new, [5, 6, 7], 10)
+        group.close()
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+# --------------------------------------------------------------------------- process
+
+
+@pytest.mark.timeout(120)
+def test_non_loopback_bind_refused_without_a_key() -> None:
+    start = time.monotonic()
+    done = run_once(["--demo", "tiny", "--host", "0.0.0.0", "--port", "0"])
+    assert done.returncode == 2
+    assert done.stdout == ""
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and "0.0.0.0" in lines[0] and "API key" in lines[0], done.stderr
+    assert time.monotonic() - start < 60
+
+
+@pytest.mark.timeout(180)
+def test_sigterm_aborts_in_flight_requests_and_exits_zero() -> None:
+    s = launch("--demo", "tiny", "--seed", "1")
+    try:
+        with s.client() as client:
+            long = Worker(
+                lambda: client.post("/generate", json={**_body([7, 8], LONG), "rid": "L"})
+            )
+            time.sleep(0.5)  # it is decoding (LONG tokens take far longer)
+            assert not long.done.is_set()
+            s.stop()
+            r = long.join()
+    finally:
+        s.stop()
+    assert s.returncode == 0, s.stderr
+    assert isinstance(r, httpx.Response) and r.status_code == 200, r
+    assert r.json()["meta_info"]["finish_reason"] == {"type": "abort"}
+
+
+@pytest.mark.timeout(180)
+def test_first_publish_at_the_initial_version_then_only_newer_or_the_same_weights(
+    checkpoint: tuple[Path, torch.nn.Module], tmp_path: Path
+) -> None:
+    # A trainer's first push carries the number the server starts at (the scheduler
+    # pushes at updates=0); a resume re-publishes what is served. Both must go through;
+    # other weights under a served number, or an older number, must not.
+    prompt = [21, 22, 23]
+    first = write_weights(lively("qwen2", 4), tmp_path / "a", 0)
+    other = write_weights(lively("qwen2", 5), tmp_path / "b", 0)
+    with serve("--model", str(checkpoint[0])) as s, s.client() as client:
+
+        def push(path: Path, version: int) -> httpx.Response:
+            return client.post(
+                "/update_weights_from_disk", json={"model_path": str(path), "dew_version": version}
+            )
+
+        def greedy() -> list[int]:
+            out = client.post("/generate", json=_body(prompt, 8, temperature=0)).json()
+            return out["output_ids"]
+
+        assert greedy() == hf_greedy(checkpoint[1], prompt, 8)
+        assert push(first, 0).status_code == 200  # the first publish, at the initial version
+        assert greedy() == hf_greedy(lively("qwen2", 4), prompt, 8)
+        again = push(first, 0)  # the same weights again: accepted, nothing changes
+        assert again.status_code == 200 and again.json()["dew_version"] == 0
+        refused = push(other, 0)  # other weights under the served number
+        assert refused.status_code == 400 and refused.json()["error"]["param"] == "dew_version"
+        assert greedy() == hf_greedy(lively("qwen2", 4), prompt, 8)  # still the first
