@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from dew._checkpoint import step_of
+from dew.objectives.rl.config import SchedulerConfig
 from dew.train import FitResult, latest_checkpoint, read_records
 
 if TYPE_CHECKING:
@@ -56,6 +57,8 @@ class DemoError(ValueError):
     """A demo asked for something it cannot do (a missing run folder, a taken one)."""
 
 
+_SCHEDULER = SchedulerConfig()
+
 @dataclass(frozen=True)
 class DemoConfig:
     """Everything a demo run is built from; stored as the run's ``config.json``."""
@@ -70,10 +73,11 @@ class DemoConfig:
     batch_size: int = 8
     max_tokens: int = 8
     temperature: float = 1.0
-    ahead: int = 1
-    max_lag: int = 1
-    truncation: str = "mask"
-    estimator: str = "group"
+    # The scheduler's own defaults unless a task says otherwise (written once, there).
+    ahead: int = _SCHEDULER.ahead
+    max_lag: int = _SCHEDULER.max_lag
+    truncation: str = _SCHEDULER.truncation  # type: ignore[assignment]
+    estimator: str = _SCHEDULER.estimator  # type: ignore[assignment]
     clip_high: float | None = None  # DAPO's clip-higher: keeps exploration alive
     digits: tuple[int, int] = (2, 4)  # single task: shortest and longest digit string
     stop_weight: float = 1.0  # single task: credit for stopping, in digit positions
