@@ -21,7 +21,16 @@ def _demo(args: argparse.Namespace) -> int:
 
     overrides = {
         name: getattr(args, name)
-        for name in ("steps", "seed", "size", "lr", "group_size", "batch_size", "max_tokens")
+        for name in (
+            "steps",
+            "seed",
+            "size",
+            "lr",
+            "group_size",
+            "batch_size",
+            "max_tokens",
+            "engines",
+        )
         if getattr(args, name) is not None
     }
     try:
@@ -80,6 +89,13 @@ def parser() -> argparse.ArgumentParser:
     demo.add_argument("--group-size", type=int, default=None, help="rollouts per task")
     demo.add_argument("--batch-size", type=int, default=None, help="tasks per step")
     demo.add_argument("--max-tokens", type=int, default=None, help="completion token limit")
+    demo.add_argument(
+        "--engines",
+        type=int,
+        default=None,
+        help="serve rollouts from a fleet of N local `dew serve` processes (default: one "
+        "engine in this process)",
+    )
     demo.add_argument("--no-progress", action="store_true", help="no progress bar")
     demo.set_defaults(run=_demo)
 

@@ -26,6 +26,7 @@ from typing import Any
 __all__ = ["main"]
 
 _DTYPES = ("float32", "bfloat16", "float16")
+_KEEPALIVE = 120  # seconds an idle connection stays open (uvicorn's default is 5)
 
 
 def _is_loopback(host: str) -> bool:
@@ -183,6 +184,10 @@ def _serve(args: argparse.Namespace, api_key: str | None, stopping: list[int]) -
                 ws="none",
                 loop="asyncio",
                 timeout_graceful_shutdown=10,
+                # Well past the clients' keep-alive (HTTPEngine lets an idle connection go
+                # after _KEEPALIVE s): a client must never reuse a connection the server
+                # has just closed, which would fail a /generate it cannot safely resend.
+                timeout_keep_alive=_KEEPALIVE,
             )
             _Server(config).run(sockets=[sock])
         finally:

@@ -66,3 +66,21 @@ def test_the_other_example_tasks_run(tmp_path: Path, task: str) -> None:
     if task == "agent":  # every episode packs into one chain
         merged = [r["scheduler"]["metrics"].get("merge_ratio") for r in records]
         assert all(m == 1.0 for m in merged if m is not None)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_demo_on_a_fleet_of_two_engine_processes(tmp_path: Path) -> None:
+    run = tmp_path / "fleet"
+    dew("demo", "--engines", "2", "--steps", "3", "--run-dir", str(run), *SMALL)
+    records = check_run(run, 3)
+    assert json.loads((run / "config.json").read_text())["engines"] == 2
+    assert any("reward/mean" in r["scheduler"]["metrics"] for r in records)
+
+
+def test_engines_must_be_a_count() -> None:
+    from dew.demo.run import DemoConfig
+
+    for bad in (-1, True, 1.5):
+        with pytest.raises(ValueError, match=r"engines=.* must be an int >= 0"):
+            DemoConfig(engines=bad)  # type: ignore[arg-type]

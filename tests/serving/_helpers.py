@@ -77,7 +77,7 @@ class Worker:
         self.thread = threading.Thread(target=run)
         self.thread.start()
 
-    def join(self) -> object:
-        assert self.done.wait(WAIT), "worker did not finish"
+    def join(self, timeout: float = WAIT) -> object:
+        assert self.done.wait(timeout), "worker did not finish"
         self.thread.join()
         return self.result

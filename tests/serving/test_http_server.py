@@ -311,7 +311,8 @@ def test_calls_spanning_a_weight_push(
                                "dew_version": 1}  # fmt: skip
         assert not any(w.done.is_set() for w in workers), "a request ended before the push"
         for (prompt, _), w in zip(reqs, workers, strict=True):
-            r = w.join()
+            # Two 1,000-token decodes: tens of seconds on a loaded 2-core machine.
+            r = w.join(200)
             assert isinstance(r, httpx.Response) and r.status_code == 200, r
             out = r.json()
             assert out["meta_info"]["weight_version"] == 0  # the oldest that served a token

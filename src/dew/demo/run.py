@@ -59,6 +59,7 @@ class DemoError(ValueError):
 
 _SCHEDULER = SchedulerConfig()
 
+
 @dataclass(frozen=True)
 class DemoConfig:
     """Everything a demo run is built from; stored as the run's ``config.json``."""
@@ -83,6 +84,7 @@ class DemoConfig:
     stop_weight: float = 1.0  # single task: credit for stopping, in digit positions
     checkpoint_every: int = 20
     tasks: int = 4096  # rows of the task dataset
+    engines: int = 0  # 0: the in-process engine; N: a fleet of N local `dew serve` processes
 
     def __post_init__(self) -> None:
         if self.task not in TASKS:
@@ -95,6 +97,8 @@ class DemoConfig:
             raise ValueError(f"lr={self.lr!r} must be > 0")
         if self.tasks < self.batch_size:
             raise ValueError(f"tasks={self.tasks} must be >= batch_size={self.batch_size}")
+        if isinstance(self.engines, bool) or not isinstance(self.engines, int) or self.engines < 0:
+            raise ValueError(f"engines={self.engines!r} must be an int >= 0")
 
     @classmethod
     def for_task(cls, task: str, **overrides: Any) -> DemoConfig:
@@ -357,7 +361,24 @@ def build_job(
     if pool is not None:
         dataset = pool.dataset(dataset)
     rank = 0 if pool is None else pool.rank
-    server = RolloutServer(model, max_batch=rows * (config.ahead + 1), seed=config.seed + rank)
+    server: Any
+    if config.engines:
+        from dew.serving.fleet import EngineFleet
+
+        if config.arch != "qwen2":
+            raise ValueError(
+                f"engines={config.engines} serves qwen2 demo models, not {config.arch}"
+            )
+        # Same size and seed as the trainer's model: the engines start from its weights
+        # (the scheduler's first push makes sure of it either way).
+        server = EngineFleet.launch(
+            config.engines,
+            demo=config.size,
+            seed=config.seed,
+            args=["--max-batch", str(rows * (config.ahead + 1))],
+        )
+    else:
+        server = RolloutServer(model, max_batch=rows * (config.ahead + 1), seed=config.seed + rank)
     stack.callback(server.close)
     parts = (task or TASKS[config.task])(config, server, tokenizer)
     stack.callback(parts.close)

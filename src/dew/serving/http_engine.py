@@ -88,6 +88,11 @@ class _CallFuture(Future[Call]):
         self.owner = owner
         self.rid = rid
 
+    def result(self, timeout: float | None = None) -> Call:
+        if not self.done():  # waiting on the loop thread would wait forever
+            self.owner._check_not_loop("a wait on a submit future (say, generate())")
+        return super().result(timeout)
+
 
 @dataclass(eq=False)
 class _Pending:
@@ -158,7 +163,12 @@ class HTTPEngine(Engine):
             target=self._run_loop, name=f"HTTPEngine({self._url})", daemon=True
         )
         self._thread.start()
-        pool = httpx.Limits(max_connections=max_connections, max_keepalive_connections=None)
+        # Idle connections go well before dew serve drops them (120 s): reusing one it
+        # just closed would fail a /generate that cannot safely be sent again.
+        limit, idle = max_connections, 30.0
+        pool = httpx.Limits(
+            max_connections=limit, max_keepalive_connections=None, keepalive_expiry=idle
+        )
         self._gen = self._block(self._client(pool))
         self._ctl = self._block(self._client(httpx.Limits(max_connections=_CONTROL_CONNECTIONS)))
         try:
@@ -253,22 +263,10 @@ class HTTPEngine(Engine):
             if not self._closed:
                 self._loop.call_soon_threadsafe(self._stop_request, future.rid)
 
-    def generate(
-        self,
-        prompt: Sequence[int],
-        params: SamplingParams,
-        *,
-        stop: threading.Event | None = None,
-        affinity: Hashable | None = None,
-    ) -> Call:
-        """:meth:`submit` and wait for the :class:`~dew.core.Call`."""
-        self._check_not_loop("generate")
-        return self.submit(prompt, params, stop=stop, affinity=affinity).result()
-
     def health(self) -> bool:
         """Whether the server answers ``GET /health`` with 200 within the connect
         timeout; updates :attr:`version`. False once closed."""
-        self._check_not_loop("health")
+        self._check_not_loop("health()")
         try:
             data = self._block(self._request("GET", "/health", None, retry=True, short=True))
         except (EngineError, ValueError, RuntimeError):
@@ -289,7 +287,7 @@ class HTTPEngine(Engine):
         """
         from dew.serving.weights import write_weights
 
-        self._check_not_loop("load")
+        self._check_not_loop("load()")
         version = as_int(version, "version")
         path = write_weights(variables, self._folder(), version)
         try:
@@ -304,7 +302,7 @@ class HTTPEngine(Engine):
         A fleet writes the file once and pushes it to every engine this way. Never
         retried: the server refuses a version it already serves.
         """
-        self._check_not_loop("load_file")
+        self._check_not_loop("load_file()")
         version = as_int(version, "version")
         body = {"model_path": str(Path(path).resolve()), "dew_version": version}
         data = self._block(self._request("POST", "/update_weights_from_disk", body))
@@ -340,7 +338,7 @@ class HTTPEngine(Engine):
     def _check_not_loop(self, name: str) -> None:
         if threading.current_thread() is self._thread:
             raise RuntimeError(
-                f"HTTPEngine.{name}() was called on the engine's loop thread (from a submit "
+                f"HTTPEngine: {name} was called on the engine's loop thread (from a submit "
                 "future's done-callback); it would wait forever. Use submit() there."
             )
 

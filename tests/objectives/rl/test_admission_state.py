@@ -271,3 +271,23 @@ class AdmissionMachine(RuleBasedStateMachine):
 
 TestAdmission = AdmissionMachine.TestCase
 TestAdmission.settings = settings(max_examples=300, stateful_step_count=60, deadline=None)
+
+
+def test_a_call_under_a_push_still_in_progress_is_not_from_the_future() -> None:
+    # A fleet member can finish a call under the new weights before load() returns on
+    # the trainer: between pushing(v) and pushed(v) calls up to v are admitted.
+    import pytest
+
+    adm = Admission(SchedulerConfig(groups=1, ahead=0, max_lag=1))
+    adm.pushed(0)
+    adm.register([Task("t")])
+    starts = [a for a in adm.call(0, 0.0) if isinstance(a, Start)]
+    adm.pushing(1)
+    (start,) = starts
+    adm.finished(start.key, make_rollout(start.key, Status.COMPLETED, 1, 1.0), 1.0)
+    consumed, _ = adm.consume(1, 2.0)
+    assert consumed is not None and consumed.groups[0][0].calls[0].version == 1
+    adm.register([Task("u")])
+    (later,) = [a for a in adm.call(1, 3.0) if isinstance(a, Start)]
+    with pytest.raises(ValueError, match=r"version=2 is from the future .*version 1 at most"):
+        adm.finished(later.key, make_rollout(later.key, Status.COMPLETED, 2, 1.0), 4.0)

@@ -148,6 +148,8 @@ class Driver:
         elif kind == "register":
             _, tasks, batch = event
             adm.register(tasks, batch)
+        elif kind == "pushing":
+            adm.pushing(event[1])
         elif kind == "pushed":
             adm.pushed(event[1])
         elif kind == "call":

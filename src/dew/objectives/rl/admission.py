@@ -153,6 +153,9 @@ class Admission:
         self.config = config
         self._truncate = truncation_policy(config.truncation)
         self.served: int | None = None  # version the engines serve
+        # The version a push under way may already serve somewhere (an engine of a fleet
+        # can finish a call under it before the push returns): calls up to it are fine.
+        self.pushing_version: int | None = None
         self._batches: list[_Batch] = []  # registered, oldest first
         self._seq = itertools.count()
         self._gid = itertools.count()
@@ -221,7 +224,12 @@ class Admission:
                 actions += self._submit(b, now)
         return actions
 
+    def pushing(self, version: int) -> None:
+        """A push of ``version`` began: calls under it may finish before it is done."""
+        self.pushing_version = version
+
     def pushed(self, version: int) -> None:
+        """The engines serve ``version``: new submissions are stamped with it."""
         self.served = version
 
     # ------------------------------------------------------------------ samples
@@ -332,12 +340,14 @@ class Admission:
             return []
         if rollout.key != key:
             raise ValueError(f"{key}: the source returned a rollout labelled {rollout.key}")
-        served = self.served
+        newest = self.served
+        if self.pushing_version is not None and (newest is None or self.pushing_version > newest):
+            newest = self.pushing_version
         for i, c in enumerate(rollout.calls):
-            if served is not None and c.version > served:
+            if newest is not None and c.version > newest:
                 raise ValueError(
                     f"{key}: calls[{i}].version={c.version} is from the future "
-                    f"(the engines serve version {self.served})"
+                    f"(the engines serve version {newest} at most)"
                 )
         status = rollout.status
         if status in (Status.COMPLETED, Status.AGENT_ERROR) and rollout.reward is None:
@@ -471,6 +481,7 @@ class Admission:
         actions = self._cancel_all("reopened")
         self._batches.clear()
         self.served = None  # engines may serve anything after a resume
+        self.pushing_version = None
         return actions
 
     def close(self) -> list[Action]:

@@ -325,6 +325,9 @@ class RolloutScheduler:
         """Push weights if due, then wait for ``batch``'s groups and pack them."""
         self._check_open()
         if self._served is None or updates - self._served >= self._config.sync_every:
+            # Announced first: an engine (one of a fleet) may finish a call under the new
+            # weights before load returns, and that call is not from the future.
+            self._driver.post("pushing", updates)
             self._weights.load(variables, updates)
             self._served = updates
             self._driver.post("pushed", updates)

@@ -1,0 +1,500 @@
+"""EngineFleet: routing, the publish sequence and the lifetime (see the package docstring)."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import shutil
+import sys
+import tempfile
+import threading
+import time
+from collections import OrderedDict, deque
+from collections.abc import Hashable, Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import wait as wait_futures
+from pathlib import Path
+from typing import Any
+
+from dew.core import Aborted, Call, Engine, EngineError, SamplingParams
+from dew.core._checks import as_int
+from dew.serving._requests import make_request
+from dew.serving.fleet._care import Care
+from dew.serving.fleet._parts import (
+    CLOSED,
+    OUT,
+    SHM,
+    UP,
+    FleetCall,
+    FleetFuture,
+    Local,
+    Member,
+    MemberInfo,
+    settle,
+)
+from dew.serving.http_engine import HTTPEngine
+
+log = logging.getLogger("dew.serving.fleet")
+
+
+class EngineFleet(Care, Engine):
+    """Many ``dew serve`` engines as one :class:`~dew.core.Engine` and Publisher.
+
+    ``engines``: :class:`HTTPEngine` s or URLs (engines are made with ``api_key``,
+    ``timeout``, ``connect_timeout``); the fleet owns and closes all of them (on a
+    construction error only the ones it made). They must serve one model: equal
+    ``max_len``, ``vocab_size`` and ``eos_token_ids``, else ``ValueError``.
+    ``weights_dir``: where :meth:`load` writes weights files (readable by every member;
+    default a private folder in ``/dev/shm``, removed by :meth:`close`).
+    ``health_interval``: seconds between health rounds; ``max_failures``: failed checks
+    in a row that take a member out. ``timeout``: how long a call may wait for a member
+    to join the rotation. ``affinity_size``: entries of the affinity table.
+    """
+
+    def __init__(
+        self,
+        engines: Sequence[HTTPEngine | str],
+        *,
+        api_key: str | None = None,
+        weights_dir: str | Path | None = None,
+        health_interval: float = 1.0,
+        max_failures: int = 3,
+        timeout: float = 120.0,
+        connect_timeout: float = 2.0,
+        affinity_size: int = 4096,
+        startup_timeout: float = 120.0,
+        _locals: Sequence[Local] | None = None,
+    ) -> None:
+        for name, value in (("health_interval", health_interval), ("timeout", timeout)):
+            if not isinstance(value, (int, float)) or not value > 0:
+                raise ValueError(f"{name} must be a number > 0, got {value!r}")
+        self._max_failures = as_int(max_failures, "max_failures")
+        self._affinity_size = as_int(affinity_size, "affinity_size")
+        if self._max_failures < 1 or self._affinity_size < 1:
+            raise ValueError("max_failures and affinity_size must be >= 1")
+        if not engines:
+            raise ValueError("an EngineFleet needs at least one engine")
+        self._interval = float(health_interval)
+        self._timeout = float(timeout)
+        self._startup = float(startup_timeout)
+        self._engine_kw: dict[str, Any] = {
+            "api_key": api_key,
+            "timeout": timeout,
+            "connect_timeout": connect_timeout,
+        }
+        locals_ = list(_locals) if _locals is not None else [None] * len(engines)
+        made: list[HTTPEngine] = []
+        try:
+            members = []
+            for item, local in zip(engines, locals_, strict=True):
+                if isinstance(item, str):
+                    item = HTTPEngine(item, **self._engine_kw)
+                    made.append(item)
+                elif not isinstance(item, HTTPEngine):
+                    raise ValueError(f"engines must be HTTPEngines or URLs, got {item!r}")
+                members.append(Member(item, local))
+            first = members[0].engine
+            self._model = (first.max_len, first.vocab_size, first.eos_token_ids)
+            for m in members[1:]:
+                self._check_model(m.engine)
+        except BaseException:
+            for e in made:
+                e.close()
+            raise
+        self._members = members
+        self._version = max(m.engine.version for m in members)
+        for m in members:
+            m.pushed = m.engine.version
+            if m.engine.version == self._version:
+                m.confirmed = self._version
+            else:
+                m.state, m.reason = OUT, f"serves version {m.engine.version}, behind"
+        self._lock = threading.Lock()
+        self._publish_lock = threading.Lock()
+        self._closed = False
+        self._publishing = False  # a push is under way: new calls wait for its end
+        self._affinity: OrderedDict[Hashable, Member] = OrderedDict()
+        self._waiting: deque[FleetCall] = deque()
+        self._files: list[tuple[int, Path]] = []  # (version, path), oldest first
+        self._own_dir = weights_dir is None
+        shm = SHM if SHM.is_dir() else None
+        self._dir = (
+            Path(tempfile.mkdtemp(prefix="dew-fleet-", dir=shm))
+            if weights_dir is None
+            else Path(weights_dir)
+        )
+        workers = 4 * len(members) + 4
+        self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="fleet")
+        self._stopping = threading.Event()
+        self._threads = [threading.Thread(target=self._health_loop, name="fleet-health")]
+        if any(m.local is not None for m in members):
+            self._threads.append(threading.Thread(target=self._supervise, name="fleet-supervisor"))
+        for t in self._threads:
+            t.start()
+
+    @classmethod
+    def launch(
+        cls,
+        count: int,
+        *,
+        demo: str | None = None,
+        model: str | Path | None = None,
+        seed: int = 0,
+        args: Sequence[str] = (),
+        env: Mapping[str, str] | None = None,
+        startup_timeout: float = 120.0,
+        **kwargs: Any,
+    ) -> EngineFleet:
+        """Start ``count`` local ``dew serve`` processes on 127.0.0.1 (``--demo SIZE``
+        or ``--model PATH``, ``--seed seed`` for all, so the demo weights agree, plus
+        ``args``; ``env`` added to this process's environment, e.g. ``OMP_NUM_THREADS``)
+        and return a fleet that owns them, with a supervisor restarting any that dies.
+        ``kwargs`` go to the constructor."""
+        count = as_int(count, "count")
+        if count < 1 or (demo is None) == (model is None):
+            raise ValueError("launch needs count >= 1 and exactly one of demo= or model=")
+        what = ["--demo", demo] if demo is not None else ["--model", str(model)]
+        argv = [sys.executable, "-m", "dew.serve", *what, "--seed", str(seed)]
+        argv += [*args, "--host", "127.0.0.1", "--port", "0"]
+        environ = None if env is None else {**os.environ, **env}
+        locals_ = [Local(list(argv), environ) for _ in range(count)]
+        never = threading.Event()
+        urls: list[Future[str]] = []
+        with ThreadPoolExecutor(max_workers=count) as pool:
+            urls = [pool.submit(p.start, startup_timeout, never) for p in locals_]
+        try:
+            started = [u.result() for u in urls]
+            return cls(started, startup_timeout=startup_timeout, _locals=locals_, **kwargs)
+        except BaseException:
+            for p in locals_:
+                p.stop(5.0)
+            raise
+
+    # ------------------------------------------------------------------ properties
+
+    @property
+    def version(self) -> int:
+        return self._version
+
+    @property
+    def max_len(self) -> int:
+        return self._model[0]
+
+    @property
+    def vocab_size(self) -> int:
+        return self._model[1]
+
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        return self._model[2]
+
+    @property
+    def in_flight(self) -> int:
+        """Calls submitted and not yet resolved (waiting ones included)."""
+        with self._lock:
+            return len(self._waiting) + sum(len(m.calls) for m in self._members)
+
+    def members(self) -> list[MemberInfo]:
+        """A snapshot of every member, in construction order."""
+        with self._lock:
+            return [
+                MemberInfo(
+                    url=m.engine.url,
+                    state=m.state,
+                    version=m.confirmed,
+                    in_flight=len(m.calls),
+                    dispatched=m.dispatched,
+                    pid=None if m.local is None or m.local.proc is None else m.local.proc.pid,
+                    restarts=m.restarts,
+                    reason=m.reason,
+                )
+                for m in self._members
+            ]
+
+    # ------------------------------------------------------------------ Engine
+
+    def submit(
+        self,
+        prompt: Sequence[int],
+        params: SamplingParams,
+        *,
+        stop: threading.Event | None = None,
+        affinity: Hashable | None = None,
+    ) -> Future[Call]:
+        """Route a completion to a member; returns the fleet's future at once."""
+        max_len, vocab, eos = self._model
+        request = make_request(prompt, params, stop, vocab=vocab, max_len=max_len, eos=eos)
+        future = FleetFuture(self)
+        future.set_running_or_notify_cancel()  # only the fleet resolves it
+        deadline = time.monotonic() + self._timeout
+        call = FleetCall(request.prompt, params, stop, affinity, future, deadline)
+        future.call = call
+        if self._closed:
+            raise RuntimeError("EngineFleet is closed")
+        self._dispatch(call)
+        return future
+
+    def abort(self, future: Future[Call]) -> None:
+        """Ask the member behind ``future`` to drop it; returns at once."""
+        if not isinstance(future, FleetFuture) or future.owner is not self or future.done():
+            return
+        call = future.call
+        assert call is not None
+        with self._lock:
+            call.abort = True
+            waiting = call in self._waiting
+            if waiting:
+                self._waiting.remove(call)
+            member, inner = call.member, call.inner
+        if waiting:
+            settle(future, Aborted("generation stopped before it was sent"))
+        elif member is not None and inner is not None:
+            member.engine.abort(inner)
+
+    def generate(
+        self,
+        prompt: Sequence[int],
+        params: SamplingParams,
+        *,
+        stop: threading.Event | None = None,
+        affinity: Hashable | None = None,
+    ) -> Call:
+        return self.submit(prompt, params, stop=stop, affinity=affinity).result()
+
+    def _check_model(self, engine: HTTPEngine) -> None:
+        have = (engine.max_len, engine.vocab_size, engine.eos_token_ids)
+        if have != self._model:
+            raise ValueError(
+                "the fleet's engines serve different models: (max_len, vocab_size, "
+                f"eos_token_ids) = {self._model} but {engine.url} has {have}"
+            )
+
+    def _pick(self, affinity: Hashable | None) -> Member | None:
+        """The member for a call (lock held): the affinity's while up, else least work."""
+        if affinity is not None:
+            member = self._affinity.get(affinity)
+            if member is not None and member.state == UP:
+                self._affinity.move_to_end(affinity)
+                return member
+        up = [m for m in self._members if m.state == UP]
+        if not up:
+            return None
+        member = min(up, key=lambda m: (len(m.calls), m.dispatched))
+        if affinity is not None:
+            self._affinity[affinity] = member
+            self._affinity.move_to_end(affinity)
+            while len(self._affinity) > self._affinity_size:
+                self._affinity.popitem(last=False)
+        return member
+
+    def _dispatch(self, call: FleetCall) -> None:
+        """Send ``call`` to a member, or park it until one joins."""
+        while True:
+            with self._lock:
+                if call.outer.done() or call.abort:
+                    return
+                closed = self._closed
+                member = None if closed or self._publishing else self._pick(call.affinity)
+                if member is not None:
+                    member.calls[call] = None
+                    member.dispatched += 1
+                    call.member, gen, engine = member, member.gen, member.engine
+                elif not closed:
+                    self._waiting.append(call)
+                    return
+            if member is None:
+                settle(call.outer, RuntimeError("EngineFleet is closed"))
+                return
+            try:
+                inner = engine.submit(call.prompt, call.params, stop=call.stop)
+            except RuntimeError as exc:  # the member was closed under us: try another
+                if not self._release(call, member):
+                    return  # the fleet resolved it meanwhile
+                self._take_out(member, gen, f"closed: {exc}")
+                continue
+            except ValueError as exc:
+                if self._release(call, member):
+                    settle(call.outer, exc)
+                return
+            with self._lock:
+                call.inner = inner
+                aborted = call.abort
+                fenced = call not in member.calls
+            if fenced or aborted:
+                engine.abort(inner)
+            inner.add_done_callback(lambda f, c=call, m=member: self._finished(c, m, f))
+            return
+
+    def _release(self, call: FleetCall, member: Member) -> bool:
+        with self._lock:
+            return member.calls.pop(call, 0) is None
+
+    def _finished(self, call: FleetCall, member: Member, inner: Future[Call]) -> None:
+        """A member answered (on its loop thread): resolve the fleet future once."""
+        if not self._release(call, member):
+            return  # taken out, or closed: the fleet resolved it already
+        error = inner.exception()
+        if isinstance(error, RuntimeError):  # the member, not the fleet, was closed
+            error = EngineError(f"{member.engine.url}: {error}")
+        if isinstance(error, EngineError):  # out if a health check confirms it
+            with self._lock:
+                gen, engine = member.gen, member.engine
+            with contextlib.suppress(RuntimeError):  # the pool is shut: closing
+                self._pool.submit(self._recheck, member, gen, engine, str(error))
+        settle(call.outer, inner.result() if error is None else error)
+
+    def _take_out(self, member: Member, gen: int, reason: str) -> None:
+        """Out of rotation; fail its calls with EngineError and abort them there."""
+        with self._lock:
+            if member.gen != gen or member.state not in (UP, OUT):
+                return
+            was = member.state
+            member.state, member.reason, member.gen = OUT, reason, gen + 1
+            member.failures, member.confirmed = 0, -1
+            member.retry_at = time.monotonic() + member.backoff
+            calls = list(member.calls)
+            member.calls.clear()
+        if was == UP:
+            log.warning("fleet: %s taken out: %s", member.engine.url, reason)
+        error = EngineError(f"{member.engine.url} was taken out of the fleet: {reason}")
+        dead = member.local is not None and not member.local.alive()
+        for call in calls:
+            settle(call.outer, error)
+            if call.inner is not None and not dead:  # a dead process has nothing to drop
+                member.engine.abort(call.inner)
+
+    def _join(self, member: Member, gen: int, version: int) -> bool:
+        """Put a member brought to ``version`` back in rotation (publish lock held)."""
+        with self._lock:
+            if member.gen != gen or self._closed:
+                return False
+            member.state, member.reason = UP, ""
+            member.confirmed = member.pushed = version
+            member.failures, member.backoff = 0, 0.5
+        log.warning("fleet: %s in rotation at version %d", member.engine.url, version)
+        self._drain()
+        return True
+
+    def _drain(self) -> None:
+        """Dispatch the calls that waited for a member or for a push to end."""
+        with self._lock:
+            waiting = list(self._waiting)
+            self._waiting.clear()
+        for call in waiting:
+            self._dispatch(call)
+
+    # ------------------------------------------------------------------ Publisher
+
+    def load(self, variables: Any, version: int) -> None:
+        """Serve ``variables`` as ``version`` on every member in rotation (see the
+        module docstring); raises ``EngineError`` when no member takes them."""
+        from dew.serving.weights import write_weights
+
+        version = as_int(version, "version")
+        deadline = time.monotonic() + self._timeout
+        while not self._closed and not any(m.state == UP for m in self._members):
+            if time.monotonic() > deadline:  # e.g. a fleet of one, restarting
+                raise EngineError(f"no engine of the fleet in rotation for {self._timeout:g}s")
+            self._stopping.wait(0.05)
+        with self._publish_lock:
+            if self._closed:
+                raise RuntimeError("EngineFleet is closed")
+            if version < self._version:
+                raise ValueError(f"version {version} is older than the fleet's {self._version}")
+            path = write_weights(variables, self._dir, version)
+            with self._lock:
+                targets = [(m, m.gen) for m in self._members if m.state == UP]
+                # A call finishing at the new version before load returns would be
+                # "from the future" to the trainer: new calls wait for the push's end.
+                self._publishing = True
+            try:
+                self._push(path, version, targets)
+            finally:
+                with self._lock:
+                    self._publishing = False
+                self._drain()
+
+    def _push(self, path: Path, version: int, targets: list[tuple[Member, int]]) -> None:
+        """Push ``path`` to ``targets``; take out who fails (publish lock held)."""
+        pushes = {m: self._pool.submit(m.engine.load_file, path, version) for m, _ in targets}
+        failed: dict[Member, str] = {}
+        pending = dict(pushes)
+        while pending:  # until each push answers or its member was taken out
+            wait_futures(list(pending.values()), timeout=0.05)
+            for m, gen in targets:
+                push = pending.get(m)
+                if push is None:
+                    continue
+                if push.done():
+                    del pending[m]
+                    if push.exception() is not None:
+                        failed[m] = f"weights v{version} not taken: {push.exception()}"
+                elif m.gen != gen:
+                    del pending[m]
+                    failed[m] = f"taken out during the push of v{version}"
+        for m, gen in targets:
+            if m in failed:
+                self._take_out(m, gen, failed[m])
+        took = [m for m, gen in targets if m not in failed]
+        with self._lock:
+            took = [m for m in took if m.state == UP]
+            for m in took:
+                m.confirmed = m.pushed = version
+            if took:
+                self._version = version
+        if not took:
+            if not any(v == version for v, _ in self._files):
+                path.unlink(missing_ok=True)
+            reasons = "; ".join(f"{m.engine.url}: {r}" for m, r in failed.items())
+            raise EngineError(f"no engine of the fleet took weights v{version}: {reasons}")
+        self._files = [(v, p) for v, p in self._files if v != version] + [(version, path)]
+        for _, old in self._files[:-2]:
+            old.unlink(missing_ok=True)
+        self._files = self._files[-2:]
+
+    # ------------------------------------------------------------------ threads
+
+    # ------------------------------------------------------------------ lifetime
+
+    def close(self, grace: float = 10.0) -> None:
+        """Stop the threads, fail what is in flight with ``RuntimeError``, close the
+        members and stop the local processes (SIGTERM, SIGKILL after ``grace``)."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            calls = list(self._waiting) + [c for m in self._members for c in m.calls]
+            self._waiting.clear()
+            for m in self._members:
+                m.calls.clear()
+                m.gen += 1
+        self._stopping.set()
+        error = RuntimeError("EngineFleet was closed before this request finished")
+        for call in calls:
+            settle(call.outer, error)
+        for m in self._members:
+            m.engine.close()  # also unblocks a push or ping a thread waits on
+        for t in self._threads:
+            t.join()
+        stops = [self._pool.submit(m.engine.close) for m in self._members]
+        stops += [
+            self._pool.submit(m.local.stop, grace) for m in self._members if m.local is not None
+        ]
+        wait_futures(stops)
+        with self._lock:
+            for m in self._members:
+                m.state = CLOSED
+        self._pool.shutdown(wait=True)
+        if self._own_dir:
+            shutil.rmtree(self._dir, ignore_errors=True)
+
+    def __enter__(self) -> EngineFleet:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        up = sum(m.state == UP for m in self._members)
+        return f"EngineFleet({up}/{len(self._members)} in rotation, version={self._version})"

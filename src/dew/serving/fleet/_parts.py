@@ -1,0 +1,154 @@
+"""The fleet's records: members, calls, futures and local ``dew serve`` processes."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import selectors
+import signal
+import subprocess
+import tempfile
+import threading
+import time
+from collections.abc import Hashable
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO
+
+from dew.core import Call, EngineError, SamplingParams
+from dew.serving.http_engine import HTTPEngine
+
+PREFIX = "dew serve: listening on "
+UP, OUT, RESTARTING, CLOSED = "up", "out", "restarting", "closed"
+SHM = Path("/dev/shm")
+BACKOFF_MAX = 30.0
+
+
+@dataclass(frozen=True)
+class MemberInfo:
+    """A snapshot of one member: ``state`` is ``up`` (in rotation), ``out``,
+    ``restarting`` or ``closed``; ``version`` the version the fleet confirmed it serves
+    (-1: none yet); ``reason`` why it is out."""
+
+    url: str
+    state: str
+    version: int
+    in_flight: int
+    dispatched: int
+    pid: int | None
+    restarts: int
+    reason: str
+
+
+class Local:
+    """One ``dew serve`` process started by the fleet (same argv on every restart)."""
+
+    def __init__(self, argv: list[str], env: dict[str, str] | None) -> None:
+        self.argv = argv
+        self.env = env
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.stderr: IO[bytes] | None = None
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def start(self, deadline: float, stopping: threading.Event) -> str:
+        """Start the process and return its URL once it printed the listening line."""
+        self.stderr = tempfile.TemporaryFile()
+        self.proc = subprocess.Popen(
+            self.argv, stdout=subprocess.PIPE, stderr=self.stderr, env=self.env
+        )
+        assert self.proc.stdout is not None
+        buffer = b""
+        with selectors.DefaultSelector() as sel:
+            sel.register(self.proc.stdout, selectors.EVENT_READ)
+            end = time.monotonic() + deadline
+            prefix = PREFIX.encode()
+            while prefix not in buffer or b"\n" not in buffer.split(prefix, 1)[1]:
+                if stopping.is_set() or time.monotonic() > end:
+                    self.stop(0.0)
+                    raise EngineError(f"dew serve did not listen in time: {self.tail()}")
+                if sel.select(0.2):
+                    chunk = os.read(self.proc.stdout.fileno(), 4096)
+                    if not chunk:
+                        self.stop(0.0)
+                        raise EngineError(f"dew serve exited: {self.tail()}")
+                    buffer += chunk
+        line = buffer.decode().split(PREFIX, 1)[1]
+        return line.splitlines()[0].strip()
+
+    def tail(self) -> str:
+        if self.stderr is None or self.stderr.closed:
+            return ""
+        self.stderr.seek(0)
+        return self.stderr.read()[-2000:].decode(errors="replace")
+
+    def stop(self, grace: float) -> None:
+        """SIGTERM (and SIGCONT, so a stopped process can take it), SIGKILL after
+        ``grace`` seconds; only this pid."""
+        proc = self.proc
+        if proc is not None:
+            if proc.poll() is None:
+                for sig in (signal.SIGTERM, signal.SIGCONT):
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(proc.pid, sig)
+                try:
+                    proc.wait(grace)
+                except subprocess.TimeoutExpired:
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(proc.pid, signal.SIGKILL)
+                    proc.wait()
+            if proc.stdout is not None:
+                proc.stdout.close()
+        if self.stderr is not None:
+            self.stderr.close()
+
+
+@dataclass(eq=False)
+class Member:
+    engine: HTTPEngine
+    local: Local | None
+    state: str = UP
+    calls: dict[FleetCall, None] = field(default_factory=dict)
+    dispatched: int = 0
+    restarts: int = 0
+    failures: int = 0  # consecutive failed health checks
+    confirmed: int = -1  # the version the fleet knows it serves (-1 while out)
+    pushed: int = -1  # the newest version this process took from the fleet (or had)
+    reason: str = ""
+    gen: int = 0  # bumped on every take-out and restart: fences stale work
+    retry_at: float = 0.0  # monotonic time of the next bring-up or restart attempt
+    backoff: float = 0.5
+
+
+@dataclass(eq=False)
+class FleetCall:
+    prompt: list[int]
+    params: SamplingParams
+    stop: threading.Event | None
+    affinity: Hashable | None
+    outer: FleetFuture
+    deadline: float
+    member: Member | None = None
+    inner: Future[Call] | None = None
+    abort: bool = False
+
+
+class FleetFuture(Future[Call]):
+    def __init__(self, owner: object) -> None:
+        super().__init__()
+        self.owner = owner
+        self.call: FleetCall | None = None
+
+
+def stopped(call: FleetCall) -> bool:
+    return call.abort or (call.stop is not None and call.stop.is_set())
+
+
+def settle(future: Future[Call], outcome: Call | BaseException) -> None:
+    with contextlib.suppress(Exception):  # InvalidStateError: someone resolved it first
+        if isinstance(outcome, BaseException):
+            future.set_exception(outcome)
+        else:
+            future.set_result(outcome)

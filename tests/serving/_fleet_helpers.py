@@ -1,0 +1,136 @@
+"""Helpers of the fleet tests: servers started at once, waits, and a demo training run."""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import ExitStack
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from dew.serving.fleet import EngineFleet, MemberInfo
+
+from ._launch import Served, launch
+
+OUTCOMES = ("trained", "cut", "abandoned", "dropped")
+ONE_THREAD = {"OMP_NUM_THREADS": "1"}  # the env of the engine processes of a training run
+
+
+def start_servers(stack: ExitStack, *argsets: Sequence[str]) -> list[Served]:
+    """``dew serve ARGS`` for each argset, started concurrently; stopped by ``stack``."""
+    with ThreadPoolExecutor(max_workers=len(argsets)) as pool:
+        futures = [pool.submit(launch, *args) for args in argsets]
+    served = []
+    for f in futures:
+        if f.exception() is None:
+            stack.callback(f.result().stop)
+            served.append(f.result())
+    for f in futures:
+        if f.exception() is not None:
+            raise f.exception()  # type: ignore[misc]
+    return served
+
+
+def wait_for(
+    fleet: EngineFleet, what: Callable[[list[MemberInfo]], bool], within: float, why: str
+) -> list[MemberInfo]:
+    """Poll ``fleet.members()`` until ``what`` holds; fail naming ``why`` after ``within`` s."""
+    deadline = time.monotonic() + within
+    while True:
+        members = fleet.members()
+        if what(members):
+            return members
+        assert time.monotonic() < deadline, f"{why}: {members}"
+        time.sleep(0.05)
+
+
+def by_url(fleet: EngineFleet, url: str) -> MemberInfo:
+    return next(m for m in fleet.members() if m.url == url)
+
+
+def train(
+    fleet: EngineFleet,
+    run_dir: Path,
+    steps: int,
+    *,
+    log: Sequence[Callable[[Mapping[str, Any]], None]] = (),
+    **overrides: Any,
+) -> tuple[list[dict[str, Any]], Any]:
+    """Train the demo's single-turn task on ``fleet`` (engine and publisher) for
+    ``steps``; returns the run's records and the dataset (to check the task ids)."""
+    from dew.data import Dataset
+    from dew.demo.model import make_model, make_tokenizer
+    from dew.demo.run import TASKS, DemoConfig
+    from dew.objectives.rl.grpo import GRPOObjective
+    from dew.objectives.rl.scheduler import RolloutScheduler
+    from dew.train import fit, read_records
+
+    config = DemoConfig.for_task("single", steps=steps, **overrides)
+    torch.manual_seed(config.seed)
+    tokenizer = make_tokenizer()
+    model = make_model(config.arch, config.size, seed=config.seed, max_positions=256)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr, weight_decay=0.0)
+    objective = GRPOObjective(temperature=config.temperature, clip_high=config.clip_high)
+    rows = config.batch_size * config.group_size
+    dataset = Dataset({"task_id": np.arange(config.tasks)}, batch_size=config.batch_size, seed=1)
+    with ExitStack() as stack:
+        # One torch thread here and in each engine process (ONE_THREAD): on a small
+        # machine, processes each spinning on every core slow each other down badly.
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)
+        stack.callback(torch.set_num_threads, threads)
+        parts = TASKS[config.task](config, fleet, tokenizer)
+        stack.callback(parts.close)
+        scheduler = RolloutScheduler(
+            objective,
+            parts.source,
+            fleet,
+            width=parts.max_chain,
+            rows=rows,
+            groups=config.group_size,
+            ahead=config.ahead,
+            max_lag=config.max_lag,
+            truncation=config.truncation,
+            estimator=config.estimator,
+        )
+        stack.callback(scheduler.close)
+        result = fit(
+            model,
+            optimizer,
+            dataset,
+            scheduler,
+            objective,
+            steps=steps,
+            run_dir=run_dir,
+            checkpoint_every=steps,
+            tensorboard=False,
+            log=log,
+        )
+        assert result.updates == steps
+    return read_records(run_dir), dataset
+
+
+def rewards(records: Sequence[Mapping[str, Any]]) -> list[float]:
+    return [
+        float(r["scheduler"]["metrics"]["reward/mean"])
+        for r in records
+        if "reward/mean" in r["scheduler"]["metrics"]
+    ]
+
+
+def check_exactly_once(records: Sequence[Mapping[str, Any]], dataset: Any, steps: int) -> None:
+    """Every task id the stream produced is accounted for once, at the step of its batch
+    (as in tests/train/test_exactly_once.py)."""
+    assert [r["step"] for r in records] == list(range(1, steps + 1))
+    produced = Counter(str(int(i)) for p in range(steps) for i in dataset.batch(p)["task_id"])
+    accounted = Counter(t for r in records for what in OUTCOMES for t in r["tasks"][what])
+    assert accounted == produced  # none lost, none twice
+    for p, r in enumerate(records):
+        ids = {str(int(i)) for i in dataset.batch(p)["task_id"]}
+        assert {t for what in OUTCOMES for t in r["tasks"][what]} == ids
+    assert sum(len(r["tasks"]["trained"]) for r in records) > 0
