@@ -1,7 +1,8 @@
 """The import graph keeps dew's layers apart.
 
 * ``dew.core`` imports nothing else of dew: every layer can use it;
-* ``dew._attention`` (torch mask plumbing) imports nothing of dew;
+* ``dew._attention`` (torch mask plumbing) and ``dew._net`` (socket binding) import
+  nothing of dew;
 * engines (``dew.serving``), sources (``dew.objectives.rl.sources``) and the gateway
   (``dew.gateway``) import only the core and themselves, never each other.
 
@@ -26,8 +27,10 @@ RULES: dict[str, tuple[str, ...]] = {
     # forward share; a floor-1 utility that imports nothing of dew either.
     "dew.serving": ("dew.core", "dew._attention"),
     "dew._attention": (),
+    # dew._net: binding a listening socket, for the HTTP servers of both layers.
+    "dew._net": (),
     "dew.objectives.rl.sources": ("dew.core",),
-    "dew.gateway": ("dew.core",),
+    "dew.gateway": ("dew.core", "dew._net"),
 }
 
 

@@ -15,7 +15,6 @@ Importing this module is cheap: torch, transformers and fastapi load inside ``ma
 from __future__ import annotations
 
 import argparse
-import ipaddress
 import os
 import signal
 import socket
@@ -23,19 +22,12 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
+from dew._net import bind, is_loopback
+
 __all__ = ["main"]
 
 _DTYPES = ("float32", "bfloat16", "float16")
 _KEEPALIVE = 120  # seconds an idle connection stays open (uvicorn's default is 5)
-
-
-def _is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False  # a host name may resolve anywhere
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -84,19 +76,6 @@ def _load_model(args: argparse.Namespace, device: str) -> tuple[Any, str, str | 
     return model.to(device).eval(), path, path if has_tokenizer else None
 
 
-def _bind(host: str, port: int) -> socket.socket:
-    family, kind, proto, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
-    sock = socket.socket(family, kind, proto)
-    try:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind(addr)
-        sock.listen(2048)
-    except BaseException:
-        sock.close()
-        raise
-    return sock
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     """Run ``dew serve`` with ``argv`` (without the program and subcommand names)."""
     try:
@@ -104,7 +83,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except SystemExit as exc:  # --help, or a usage error argparse already printed
         return exc.code if isinstance(exc.code, int) else 2
     api_key = args.api_key or os.environ.get("DEW_API_KEY") or None
-    if not _is_loopback(args.host) and api_key is None:
+    if not is_loopback(args.host) and api_key is None:
         print(
             f"dew serve: refusing to bind {args.host}: a non-loopback host needs an API key "
             "(--api-key or DEW_API_KEY)",
@@ -135,7 +114,7 @@ def _serve(args: argparse.Namespace, api_key: str | None, stopping: list[int]) -
     from dew.serving.server import RolloutServer
 
     try:
-        sock = _bind(args.host, args.port)
+        sock = bind(args.host, args.port, 2048)
     except OSError as exc:
         print(f"dew serve: cannot bind {args.host}:{args.port}: {exc}", file=sys.stderr)
         return 1

@@ -43,7 +43,6 @@ encodes and detokenizes (generations are the engine's futures, awaited on the lo
 
 from __future__ import annotations
 
-import ipaddress
 import socket
 import threading
 import time
@@ -53,6 +52,7 @@ from typing import Any
 
 import uvicorn
 
+from dew._net import bind, is_loopback
 from dew.core import Engine, RolloutKey, SamplingParams, Task
 from dew.gateway._app import GatewayConfig, build_app
 from dew.gateway._sessions import Limits, Recording, SessionTable
@@ -62,15 +62,6 @@ __all__ = ["DEFAULT_SAMPLING", "Recording", "RecordingGateway"]
 DEFAULT_SAMPLING = SamplingParams(max_tokens=4096)
 """The gateway's sampling unless told otherwise: temperature 1, no filter, at most
 4096 tokens a call, stopping at the tokenizer's eos."""
-
-
-def _is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False  # a host name: it may resolve anywhere
 
 
 class _Server(uvicorn.Server):
@@ -123,7 +114,7 @@ class RecordingGateway:
         shutdown_grace: float = 5.0,
         startup_timeout: float = 30.0,
     ) -> None:
-        if not _is_loopback(host) and not allow_remote:
+        if not is_loopback(host) and not allow_remote:
             raise ValueError(
                 f"host={host!r} is not a loopback address; the gateway serves unauthenticated "
                 "model access to anyone holding a session token, so binding it elsewhere "
@@ -191,17 +182,7 @@ class RecordingGateway:
                 raise RuntimeError("the gateway is closed; build a new one")
             if self._thread is not None:
                 raise RuntimeError("the gateway is already started")
-            family, kind, proto, _, addr = socket.getaddrinfo(
-                self.host, self._port, type=socket.SOCK_STREAM
-            )[0]
-            sock = socket.socket(family, kind, proto)
-            try:
-                sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-                sock.bind(addr)
-                sock.listen(1024)
-            except BaseException:
-                sock.close()
-                raise
+            sock = bind(self.host, self._port, 1024)
             self._port = sock.getsockname()[1]
             self._pool = ThreadPoolExecutor(self._workers, thread_name_prefix="dew-gateway")
             app = build_app(self.engine, self.tokenizer, self._table, self._config, self._pool)

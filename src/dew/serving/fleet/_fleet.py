@@ -252,16 +252,6 @@ class EngineFleet(Care, Engine):
         elif member is not None and inner is not None:
             member.engine.abort(inner)
 
-    def generate(
-        self,
-        prompt: Sequence[int],
-        params: SamplingParams,
-        *,
-        stop: threading.Event | None = None,
-        affinity: Hashable | None = None,
-    ) -> Call:
-        return self.submit(prompt, params, stop=stop, affinity=affinity).result()
-
     def _check_model(self, engine: HTTPEngine) -> None:
         have = (engine.max_len, engine.vocab_size, engine.eos_token_ids)
         if have != self._model:
