@@ -21,11 +21,13 @@ median (the file's size on ``/dev/shm`` is given beside the model).
 Demo workload: the demo's single-turn task at its tuned settings
 (``DemoConfig.for_task("single")``: tiny qwen2, 4 prompts x 32 samples, 3 new tokens,
 ahead 1) for ``--steps`` steps, trained by ``dew.train.fit`` (no TensorBoard, frozen
-GC as the demo runs) with three engines: the in-process ``RolloutServer`` (the demo's
-own ``build_job``), and an ``EngineFleet`` of 1 and of 2 local ``dew serve --demo tiny``
+GC as the demo runs) with four engines: the in-process ``RolloutServer`` (the demo's
+own ``build_job``), an ``EngineFleet`` of 1 and of 2 local ``dew serve --demo tiny``
 processes (same seed, ``--max-batch`` the demo's in-process batch; the scheduler's
-first push at version 0 gives every engine the trainer's weights). Runs alternate
-(in-process, fleet of 1, fleet of 2, then again) ``--repeats`` times; a fleet is started
+first push at version 0 gives every engine the trainer's weights), and the fleet of 2
+behind an sglang-router (``cache_aware``; left out when sglang-router is not
+installed). Runs alternate (in-process, fleet of 1, fleet of 2, fleet of 2 behind the
+router, then again) ``--repeats`` times; a fleet (and its router) is started
 fresh for every run and its start-up is not timed. Measured per run: steps/s and
 completion tokens trained per second (the sum of the records' ``trained_tokens``) over
 ``fit``'s wall time; figures are medians, and each ratio puts a fleet's median over the
@@ -42,6 +44,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import importlib.util
 import os
 import queue
 import shutil
@@ -60,7 +63,6 @@ from pathlib import Path
 from typing import IO, Any
 
 import httpx
-import numpy as np
 import torch
 import transformers
 
@@ -312,58 +314,36 @@ class DemoRun:
         return self.tokens / self.seconds
 
 
-def demo_run(label: str, engines: int, steps: int, seed: int) -> DemoRun:
+def demo_run(label: str, engines: int, steps: int, seed: int, router: str | None = None) -> DemoRun:
     """Train the single-turn demo task for ``steps`` with ``engines`` (0: in-process;
-    -1: one ``dew serve`` behind a plain HTTPEngine; n: an EngineFleet of n)."""
-    from dew.data import Dataset
-    from dew.demo.model import make_model, make_tokenizer
-    from dew.demo.run import TASKS, DemoConfig, build_job
-    from dew.objectives.rl.grpo import GRPOObjective
-    from dew.objectives.rl.scheduler import RolloutScheduler
+    -1: one ``dew serve`` behind a plain HTTPEngine; n: an EngineFleet of n, behind an
+    sglang-router with policy ``router`` if given)."""
+    from dew.demo.run import DemoConfig, build_job
     from dew.train import fit, read_records
 
     config = DemoConfig.for_task("single", steps=steps, seed=seed, checkpoint_every=steps)
     rows = config.batch_size * config.group_size
     serve_args = ["--max-batch", str(rows * (config.ahead + 1))]
     with tempfile.TemporaryDirectory() as run_dir, ExitStack() as stack:
-        if engines == 0:
-            job = build_job(config, stack)
-            model, optimizer, objective = job.model, job.optimizer, job.objective
-            dataset, scheduler = job.dataset, job.scheduler
-        else:
-            if engines < 0:
-                served = stack.enter_context(
-                    serving("--demo", config.size, "--seed", str(seed), *serve_args)
-                )
-                engine: Any = stack.enter_context(HTTPEngine(served.url, startup_timeout=60.0))
-            else:
-                fleet = _fleet_class().launch(
-                    engines, demo=config.size, seed=seed, args=serve_args, startup_timeout=300.0
-                )
-                engine = stack.enter_context(fleet)  # close() stops its processes
-            torch.manual_seed(config.seed)
-            tokenizer = make_tokenizer()
-            model = make_model(config.arch, config.size, seed=config.seed, max_positions=256)
-            optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr, weight_decay=0.0)
-            objective = GRPOObjective(temperature=config.temperature, clip_high=config.clip_high)
-            dataset = Dataset(
-                {"task_id": np.arange(config.tasks)}, batch_size=config.batch_size, seed=1
+        engine: Any = None  # in-process: the demo's own RolloutServer
+        if engines < 0:
+            served = stack.enter_context(
+                serving("--demo", config.size, "--seed", str(seed), *serve_args)
             )
-            parts = TASKS[config.task](config, engine, tokenizer)
-            stack.callback(parts.close)
-            scheduler = RolloutScheduler(
-                objective,
-                parts.source,
-                engine,
-                width=parts.max_chain,
-                rows=rows,
-                groups=config.group_size,
-                ahead=config.ahead,
-                max_lag=config.max_lag,
-                truncation=config.truncation,
-                estimator=config.estimator,
+            engine = stack.enter_context(HTTPEngine(served.url, startup_timeout=60.0))
+        elif engines > 0:
+            fleet = _fleet_class().launch(
+                engines,
+                demo=config.size,
+                seed=seed,
+                args=serve_args,
+                startup_timeout=300.0,
+                router=router,
             )
-            stack.callback(scheduler.close)
+            engine = stack.enter_context(fleet)  # close() stops its processes
+        job = build_job(config, stack, engine=engine)
+        model, optimizer, objective = job.model, job.optimizer, job.objective
+        dataset, scheduler = job.dataset, job.scheduler
         t0 = time.perf_counter()
         result = fit(
             model, optimizer, dataset, scheduler, objective, steps=steps, run_dir=run_dir,
@@ -443,21 +423,26 @@ def main() -> None:
 
     print("demo workload", file=sys.stderr)
     fleet = _fleet_class()
-    plan = [("in-process RolloutServer", 0)]
-    plan += [("EngineFleet of 1", 1), ("EngineFleet of 2", 2)] if fleet else [("HTTPEngine", -1)]
-    runs: dict[str, list[DemoRun]] = {label: [] for label, _ in plan}
-    failed: dict[str, list[str]] = {label: [] for label, _ in plan}
+    plan: list[tuple[str, int, str | None]] = [("in-process RolloutServer", 0, None)]
+    if fleet:
+        plan += [("EngineFleet of 1", 1, None), ("EngineFleet of 2", 2, None)]
+        if importlib.util.find_spec("sglang_router") is not None:
+            plan.append(("EngineFleet of 2 behind sglang-router", 2, "cache_aware"))
+    else:
+        plan.append(("HTTPEngine", -1, None))
+    runs: dict[str, list[DemoRun]] = {label: [] for label, _, _ in plan}
+    failed: dict[str, list[str]] = {label: [] for label, _, _ in plan}
     for _ in range(args.repeats):
-        for label, engines in plan:
+        for label, engines, router in plan:
             try:
-                runs[label].append(demo_run(label, engines, args.steps, args.seed))
+                runs[label].append(demo_run(label, engines, args.steps, args.seed, router))
             except Exception as exc:  # a failed run is reported, not hidden
                 if engines == 0 or args.tiny:
                     raise
                 first = str(exc).splitlines()[0][:300]
                 failed[label].append(f"{type(exc).__name__}: {first}")
                 print(f"  {label}: FAILED: {failed[label][-1]}", file=sys.stderr, flush=True)
-    variants = [label for label, _ in plan if runs[label]]
+    variants = [label for label, _, _ in plan if runs[label]]
     failures = "".join(
         f"\n\n{label}: {len(msgs)} of {args.repeats} runs failed: " + "; ".join(msgs)
         for label, msgs in failed.items()

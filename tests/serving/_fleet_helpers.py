@@ -10,7 +10,6 @@ from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 
 from dew.serving.fleet import EngineFleet, MemberInfo
@@ -63,42 +62,19 @@ def train(
 ) -> tuple[list[dict[str, Any]], Any]:
     """Train the demo's single-turn task on ``fleet`` (engine and publisher) for
     ``steps``; returns the run's records and the dataset (to check the task ids)."""
-    from dew.data import Dataset
-    from dew.demo.model import make_model, make_tokenizer
-    from dew.demo.run import TASKS, DemoConfig
-    from dew.objectives.rl.grpo import GRPOObjective
-    from dew.objectives.rl.scheduler import RolloutScheduler
+    from dew.demo.run import DemoConfig, build_job
     from dew.train import fit, read_records
 
     config = DemoConfig.for_task("single", steps=steps, **overrides)
-    torch.manual_seed(config.seed)
-    tokenizer = make_tokenizer()
-    model = make_model(config.arch, config.size, seed=config.seed, max_positions=256)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr, weight_decay=0.0)
-    objective = GRPOObjective(temperature=config.temperature, clip_high=config.clip_high)
-    rows = config.batch_size * config.group_size
-    dataset = Dataset({"task_id": np.arange(config.tasks)}, batch_size=config.batch_size, seed=1)
     with ExitStack() as stack:
         # One torch thread here and in each engine process (ONE_THREAD): on a small
         # machine, processes each spinning on every core slow each other down badly.
         threads = torch.get_num_threads()
         torch.set_num_threads(1)
         stack.callback(torch.set_num_threads, threads)
-        parts = TASKS[config.task](config, fleet, tokenizer)
-        stack.callback(parts.close)
-        scheduler = RolloutScheduler(
-            objective,
-            parts.source,
-            fleet,
-            width=parts.max_chain,
-            rows=rows,
-            groups=config.group_size,
-            ahead=config.ahead,
-            max_lag=config.max_lag,
-            truncation=config.truncation,
-            estimator=config.estimator,
-        )
-        stack.callback(scheduler.close)
+        job = build_job(config, stack, engine=fleet)
+        model, optimizer, dataset = job.model, job.optimizer, job.dataset
+        scheduler, objective = job.scheduler, job.objective
         result = fit(
             model,
             optimizer,

@@ -148,12 +148,6 @@ def test_a_fleet_of_two_trains_the_demo_task(tmp_path: Path) -> None:
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
-# Known leak, left for the next session (see the issue note): a /generate cancelled on a
-# SIGKILLed server can leave its httpcore socket, asyncio transport or an anyio connect
-# coroutine unclosed past the engine's shutdown; the garbage collector reports them later
-# as unraisable warnings. Only those are let through here; every other warning still
-# fails the test, and every assertion on the run's records stands.
-@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
 def test_chaos_a_member_killed_mid_run(tmp_path: Path) -> None:
     steps = 16
     seed = int(time.time())

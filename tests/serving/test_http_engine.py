@@ -238,6 +238,9 @@ def test_bad_input_is_a_value_error_naming_the_field(url: str, engine: HTTPEngin
         HTTPEngine(url, api_key="wrong")
     with pytest.raises(ValueError, match="url"):
         HTTPEngine("127.0.0.1:80")
+    for abort_urls in ("http://127.0.0.1:1", ["127.0.0.1:1"]):  # a str, a URL without scheme
+        with pytest.raises(ValueError, match="abort_urls"):
+            HTTPEngine(url, abort_urls=abort_urls)
     assert engine.generate([7, 8], SamplingParams(max_tokens=3)).completion  # still serving
 
 

@@ -44,7 +44,6 @@ def _body(ids: list[int], max_new: int, **sampling: Any) -> dict[str, Any]:
         "input_ids": ids,
         "sampling_params": {"max_new_tokens": max_new, "stop_token_ids": [], **sampling},
         "return_logprob": True,
-        "dew_return_support": True,
     }
 
 
@@ -194,6 +193,10 @@ _BAD: list[tuple[str, Any, str]] = [
      "sampling_params.stop_token_ids"),
     ("/generate", {"input_ids": [7], "sampling_params": {"max_new_tokens": 2},
                    "return_logprob": "yes"}, "return_logprob"),
+    ("/generate", {"input_ids": [7], "sampling_params": {"max_new_tokens": 2},
+                   "stream": True}, "stream"),
+    ("/generate", {"input_ids": [7], "sampling_params": {"max_new_tokens": 2},
+                   "return_hidden_states": True}, "return_hidden_states"),
     ("/abort_request", {}, "rid"),
     ("/abort_request", {"rid": "a", "abort_all": True}, "abort_all"),
     ("/update_weights_from_disk", {"model_path": "/nope"}, "dew_version"),
@@ -218,6 +221,12 @@ def test_bad_input_answers_4xx_naming_the_field_while_serving(served: Served) ->
             assert error["param"] == param, (body, error)
             assert error["type"] == "invalid_request_error"
             assert param.rsplit(".", 1)[-1] in error["message"] or param == "body", error
+        # SGLang's flags at their defaults, as sglang-router relays every request, pass.
+        relayed = {**_body([7], 1), "model": None, "stream": False, "log_metrics": True,
+                   "return_text_in_logprobs": False, "return_hidden_states": False,
+                   "background": False, "no_logs": False, "return_bytes": False,
+                   "return_entropy": False}  # fmt: skip
+        assert client.post("/generate", json=relayed).status_code == 200
         assert client.get("/nope").status_code == 404
         assert client.get("/generate").status_code == 405
         _still_served_then_abort(client, long, "bad-input")

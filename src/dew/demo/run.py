@@ -332,12 +332,15 @@ def build_job(
     *,
     pool: Any = None,
     task: Callable[[DemoConfig, Any, Any], TaskParts] | None = None,
+    engine: Any = None,
 ) -> DemoJob:
     """Build the model, optimizer, objective, task stream, engine, source and scheduler
     of ``config``; ``stack`` closes the server, the source and the scheduler in reverse
     order. ``pool`` (a torchrun job's) gives this process its share of every batch.
     ``task`` replaces the registry's builder for ``config.task`` (bench/vs_trl.py builds
-    its two-turn task this way). Torch's thread count is the caller's to set.
+    its two-turn task this way). ``engine``: an Engine and Publisher to run on instead of
+    the one ``config`` describes (an HTTPEngine, a fleet made elsewhere); the caller
+    closes it. Torch's thread count is the caller's to set.
     """
     import numpy as np
     import torch
@@ -362,7 +365,9 @@ def build_job(
         dataset = pool.dataset(dataset)
     rank = 0 if pool is None else pool.rank
     server: Any
-    if config.engines:
+    if engine is not None:
+        server = engine
+    elif config.engines:
         from dew.serving.fleet import EngineFleet
 
         if config.arch != "qwen2":
@@ -379,7 +384,8 @@ def build_job(
         )
     else:
         server = RolloutServer(model, max_batch=rows * (config.ahead + 1), seed=config.seed + rank)
-    stack.callback(server.close)
+    if engine is None:
+        stack.callback(server.close)
     parts = (task or TASKS[config.task])(config, server, tokenizer)
     stack.callback(parts.close)
     scheduler = RolloutScheduler(

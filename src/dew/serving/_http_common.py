@@ -6,7 +6,7 @@ import asyncio
 import hmac
 import json
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
 from fastapi import Request
 from fastapi.responses import JSONResponse
@@ -86,7 +86,17 @@ class GenerateBody(_Strict):
     sampling_params: SamplingBody
     return_logprob: bool = False
     rid: str | None = None
-    dew_return_support: bool = False
+    # What SGLang's clients, sglang-router among them, send with these defaults. Taken at
+    # those values; any other asks for something dew serve does not do (400 naming it).
+    model: str | None = None
+    stream: Literal[False] = False
+    return_text_in_logprobs: Literal[False] = False
+    return_hidden_states: Literal[False] = False
+    return_entropy: Literal[False] = False
+    return_bytes: Literal[False] = False
+    background: Literal[False] = False
+    log_metrics: bool = True
+    no_logs: bool = False
 
 
 class AbortBody(_Strict):

@@ -8,14 +8,15 @@ and ``load`` publishes weights under a version number.
 
 Threads: the engine owns one thread running one asyncio event loop; every HTTP
 exchange, every future resolution and all request bookkeeping happen on it. Two
-``httpx.AsyncClient`` pools live there: one for ``/generate`` (``max_connections``; a
-request beyond that waits for a free connection, within ``timeout``) and a small one
-for control requests (aborts, health, model info, weight pushes), so an abort never
-queues behind the generations it is meant to stop. Other threads reach the loop only
-through ``call_soon_threadsafe`` / ``run_coroutine_threadsafe``, under one lock that
-also guards ``closed``; ``close()`` joins the thread. Done-callbacks of ``submit``
-futures run on the loop thread: keep them short (``generate``, ``health`` and ``load``
-are refused there, as they would wait on the thread they block).
+connection pools (:mod:`dew.serving._http_client`) live there: one for ``/generate``
+(``max_connections``; a request beyond that waits for a free connection, within
+``timeout``) and a small one for control requests (aborts, health, model info, weight
+pushes), so an abort never queues behind the generations it is meant to stop. Other
+threads reach the loop only through ``call_soon_threadsafe`` /
+``run_coroutine_threadsafe``, under one lock that also guards ``closed``; ``close()``
+joins the thread. Done-callbacks of ``submit`` futures run on the loop thread: keep
+them short (``generate``, ``health`` and ``load`` are refused there, as they would
+wait on the thread they block).
 
 Invariants:
 
@@ -43,17 +44,18 @@ Invariants:
 * The ``Call`` is built from the response alone: prompt = the ids sent, completion =
   ``output_ids``, ``log_probs`` from ``output_token_logprobs`` (checked to match the
   ids), ``version`` = ``weight_version`` (the oldest weights that served a token),
-  ``temperature`` = ``dew_temperature`` and ``support`` = ``dew_support``, asked for
-  (``dew_return_support``) when the params filter or are greedy, as the in-process
-  engine keeps support then. Arguments are checked in the caller's thread with the
-  in-process engine's rules (``ValueError``), against the server's ``max_len``,
-  ``vocab_size`` and ``eos_token_ids`` read once at construction.
+  ``temperature`` = ``dew_temperature`` and ``support`` = ``dew_support`` (required
+  when the params filter or are greedy, as the in-process engine keeps support then).
+  Arguments are checked in the caller's thread with the in-process engine's rules
+  (``ValueError``), against the server's ``max_len``, ``vocab_size`` and
+  ``eos_token_ids`` read once at construction.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import shutil
 import tempfile
 import threading
@@ -64,10 +66,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
-import httpx
-
 from dew.core import Aborted, Call, Engine, EngineError, SamplingParams
 from dew.core._checks import as_int
+from dew.serving._http_client import Broken, NotConnected, Pool, TimedOut
 from dew.serving._requests import make_request
 
 __all__ = ["HTTPEngine"]
@@ -77,6 +78,10 @@ T = TypeVar("T")
 _RESEND = 0.2  # seconds between two /abort_request of one request still in flight
 _BACKOFF = (0.05, 0.2, 0.5)  # delays between the tries of a request safe to retry
 _CONTROL_CONNECTIONS = 8
+# Idle connections are dropped before the server would: uvicorn's default keep-alive (the
+# one SGLang's server runs with) is 5 s, dew serve's 120 s. Sending on a connection the
+# server is just closing would fail a /generate that cannot safely be sent again.
+_KEEPALIVE = 4.0
 _SHM = Path("/dev/shm")
 
 
@@ -121,7 +126,9 @@ class HTTPEngine(Engine):
     constructor keeps asking ``/get_model_info`` while the server does not answer; an
     unreachable server then raises :class:`~dew.core.EngineError` naming the URL (a 4xx,
     e.g. a bad API key, raises ``ValueError``). ``poll``: seconds between two looks at
-    the ``stop`` events of the requests in flight.
+    the ``stop`` events of the requests in flight. ``abort_urls``: where
+    ``/abort_request`` goes instead of ``url``: the workers behind a router (sglang-router
+    does not relay aborts, so each is asked; a worker that never had the rid ignores it).
     """
 
     def __init__(
@@ -135,9 +142,14 @@ class HTTPEngine(Engine):
         max_connections: int = 256,
         startup_timeout: float = 10.0,
         poll: float = 0.005,
+        abort_urls: Sequence[str] = (),
     ) -> None:
         if not isinstance(url, str) or not url.startswith(("http://", "https://")):
             raise ValueError(f"url must be an http(s) URL, got {url!r}")
+        if isinstance(abort_urls, str) or not all(
+            isinstance(u, str) and u.startswith(("http://", "https://")) for u in abort_urls
+        ):
+            raise ValueError(f"abort_urls must be a sequence of http(s) URLs, got {abort_urls!r}")
         numbers = {"timeout": timeout, "connect_timeout": connect_timeout, "poll": poll}
         for name, value in {**numbers, "startup_timeout": startup_timeout}.items():
             if not isinstance(value, (int, float)) or not value > 0:
@@ -163,14 +175,9 @@ class HTTPEngine(Engine):
             target=self._run_loop, name=f"HTTPEngine({self._url})", daemon=True
         )
         self._thread.start()
-        # Idle connections go well before dew serve drops them (120 s): reusing one it
-        # just closed would fail a /generate that cannot safely be sent again.
-        limit, idle = max_connections, 30.0
-        pool = httpx.Limits(
-            max_connections=limit, max_keepalive_connections=None, keepalive_expiry=idle
-        )
-        self._gen = self._block(self._client(pool))
-        self._ctl = self._block(self._client(httpx.Limits(max_connections=_CONTROL_CONNECTIONS)))
+        self._gen = self._block(self._pool(max_connections))
+        self._ctl = self._block(self._pool(_CONTROL_CONNECTIONS))
+        self._abort_to = [self._block(self._pool(2, u.rstrip("/"))) for u in abort_urls]
         try:
             info = self._block(self._model_info(float(startup_timeout)))
             try:
@@ -240,7 +247,7 @@ class HTTPEngine(Engine):
         rid = uuid.uuid4().hex
         future = _CallFuture(self, rid)
         future.set_running_or_notify_cancel()  # only the engine resolves it from now on
-        body = _body(request.prompt, params, rid, request.keeps_support)
+        body = _body(request.prompt, params, rid)
         pending = _Pending(rid, body, request.prompt, request.keeps_support, stop, future)
         with self._lock:
             if self._closed:
@@ -379,10 +386,13 @@ class HTTPEngine(Engine):
         finally:
             self._loop.close()
 
-    async def _client(self, limits: httpx.Limits) -> httpx.AsyncClient:
-        timeout = httpx.Timeout(self._timeout, connect=self._connect_timeout)
-        return httpx.AsyncClient(
-            base_url=self._url, headers=self._headers, timeout=timeout, limits=limits
+    async def _pool(self, limit: int, url: str | None = None) -> Pool:  # on the loop, as
+        return Pool(  # its semaphore must be
+            url or self._url,
+            headers=self._headers,
+            limit=limit,
+            connect_timeout=self._connect_timeout,
+            keepalive=_KEEPALIVE,
         )
 
     async def _model_info(self, within: float) -> dict[str, Any]:
@@ -399,7 +409,14 @@ class HTTPEngine(Engine):
                 await asyncio.sleep(0.1)
 
     async def _request(
-        self, method: str, path: str, body: Any, *, retry: bool = False, short: bool = False
+        self,
+        method: str,
+        path: str,
+        body: Any,
+        *,
+        retry: bool = False,
+        short: bool = False,
+        pool: Pool | None = None,
     ) -> dict[str, Any]:
         """One exchange; the JSON object a 200 answers. ``ValueError`` for a 4xx (the
         server's message), :class:`EngineError` for a transport fault, a timeout, a 5xx
@@ -407,33 +424,32 @@ class HTTPEngine(Engine):
         (nothing was sent); with ``retry`` (idempotent requests only) so are broken
         connections and 5xx; a timeout never is (it already waited its whole budget).
         ``short``: the answer is due within the connect timeout (requests that do no
-        work)."""
-        client = self._gen if path == "/generate" else self._ctl
-        timeout = httpx.Timeout(self._connect_timeout) if short else httpx.USE_CLIENT_DEFAULT
-        where = f"{self._url}{path}"
-        data: Any = None
+        work); ``pool``: another server's (an abort sent to a worker behind a router)."""
+        if pool is None:
+            pool = self._gen if path == "/generate" else self._ctl
+        timeout = self._connect_timeout if short else self._timeout
+        where = f"{pool.url}{path}"
+        payload = None if body is None else json.dumps(body).encode()
         for delay in (*_BACKOFF, None):
             try:
-                response = await client.request(method, path, json=body, timeout=timeout)
-            except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
-                fault = EngineError(f"{where}: cannot connect: {exc!r}")
-            except httpx.TimeoutException as exc:
-                raise EngineError(f"{where}: no answer in time: {exc!r}") from None
-            except httpx.HTTPError as exc:
-                fault = EngineError(f"{where}: connection failed: {exc!r}")
+                response = await pool.request(method, path, payload, timeout=timeout)
+            except NotConnected as exc:
+                fault = EngineError(f"{where}: {exc}")
+            except TimedOut as exc:
+                raise EngineError(f"{where}: no answer in time: {exc}") from None
+            except Broken as exc:
+                fault = EngineError(f"{where}: {exc}")
                 if not retry:
                     raise fault from None
             else:
-                status = response.status_code
+                status, data = response.status, response.json()
                 if 400 <= status < 500:
-                    raise ValueError(f"{where}: {status}: {_message(response)}")
+                    raise ValueError(f"{where}: {status}: {response.error_message()}")
                 if status == 200:
-                    with contextlib.suppress(ValueError):
-                        data = response.json()
                     if not isinstance(data, dict):
                         raise EngineError(f"{where}: the answer is not a JSON object")
                     return data
-                fault = EngineError(f"{where}: {status}: {_message(response)}")
+                fault = EngineError(f"{where}: {status}: {response.error_message()}")
                 if not retry:
                     raise fault
             if delay is None:
@@ -464,8 +480,13 @@ class HTTPEngine(Engine):
         self._spawn(self._abort_quietly(p.rid))
 
     async def _abort_quietly(self, rid: str) -> None:
-        with contextlib.suppress(EngineError, ValueError):
-            await self._request("POST", "/abort_request", {"rid": rid}, retry=True, short=True)
+        async def one(pool: Pool | None) -> None:
+            with contextlib.suppress(EngineError, ValueError):
+                await self._request(
+                    "POST", "/abort_request", {"rid": rid}, retry=True, short=True, pool=pool
+                )
+
+        await asyncio.gather(*(one(p) for p in self._abort_to or [None]))
 
     async def _watch(self) -> None:
         """Turn set ``stop`` events into aborts; runs while requests are in flight."""
@@ -492,7 +513,7 @@ class HTTPEngine(Engine):
                 outcome = exc
             except asyncio.CancelledError:
                 raise  # close() cancelled it; _shutdown resolves the future
-            except Exception as exc:  # a bug of ours or httpx's: the request is lost
+            except Exception as exc:  # a bug of ours: the request is lost
                 outcome = EngineError(f"{self._url}/generate: {exc!r}")
         self._inflight.pop(p.rid, None)
         _settle(p.future, outcome)
@@ -551,11 +572,13 @@ class HTTPEngine(Engine):
         await asyncio.gather(*others, return_exceptions=True)
         await self._gen.aclose()
         await self._ctl.aclose()
+        for pool in self._abort_to:
+            await pool.aclose()
         self._loop.call_soon(self._loop.stop)
 
 
-def _body(prompt: list[int], params: SamplingParams, rid: str, support: bool) -> dict[str, Any]:
-    """The ``/generate`` request: dew serve's wire format (notes/wire.md)."""
+def _body(prompt: list[int], params: SamplingParams, rid: str) -> dict[str, Any]:
+    """The ``/generate`` request (the wire format: :mod:`dew.serving.http_server`)."""
     sampling: dict[str, Any] = {"max_new_tokens": params.max_tokens}
     for key, value in (
         ("temperature", params.temperature),
@@ -565,10 +588,7 @@ def _body(prompt: list[int], params: SamplingParams, rid: str, support: bool) ->
     ):
         if value is not None:
             sampling[key] = value
-    body = {"input_ids": prompt, "sampling_params": sampling, "return_logprob": True, "rid": rid}
-    if support:
-        body["dew_return_support"] = True
-    return body
+    return {"input_ids": prompt, "sampling_params": sampling, "return_logprob": True, "rid": rid}
 
 
 def _settle(future: Future[Call], outcome: Call | BaseException) -> None:
@@ -577,21 +597,3 @@ def _settle(future: Future[Call], outcome: Call | BaseException) -> None:
             future.set_exception(outcome)
         else:
             future.set_result(outcome)
-
-
-def _message(response: httpx.Response) -> str:
-    """The server's error: dew's ``{"error": {"message", "param"}}`` as ``param: message``,
-    else a ``message`` or ``detail`` field, else the raw text."""
-    try:
-        data = response.json()
-    except ValueError:
-        return response.text[:500] or response.reason_phrase
-    if isinstance(data, Mapping):
-        error = data.get("error")
-        if isinstance(error, Mapping) and "message" in error:
-            param = error.get("param")
-            return f"{param}: {error['message']}" if param else str(error["message"])
-        for key in ("message", "detail"):
-            if key in data:
-                return str(data[key])
-    return str(data)[:500]

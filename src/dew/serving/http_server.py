@@ -1,7 +1,7 @@
 """The HTTP face of one engine process (``dew serve``): a FastAPI app over a RolloutServer.
 
 The protocol follows SGLang's native API where the two overlap, so one client drives
-both; dew's additions are fields prefixed ``dew_``. The contract is ``notes/wire.md``.
+both; dew's additions are fields prefixed ``dew_``. This docstring is the contract.
 
 Supported subset of SGLang's API:
 
@@ -20,10 +20,14 @@ Supported subset of SGLang's API:
 
 dew's extensions:
 
-* ``/generate``: request ``dew_return_support`` (per-token support ids); response
-  ``meta_info.weight_version`` is an int, the *oldest* weights version that served any
-  token (``Call.version``); ``meta_info.dew_temperature`` (the temperature the log-probs
-  are under, 1.0 for greedy) and ``meta_info.dew_support``.
+* ``/generate``: response ``meta_info.weight_version`` is an int, the *oldest* weights
+  version that served any token (``Call.version``); ``meta_info.dew_temperature`` (the
+  temperature the log-probs are under, 1.0 for greedy) and ``meta_info.dew_support``
+  (each token's support ids, when the sampling params filter or are greedy; else null).
+  Nothing dew needs rides on a request field of its own, so requests relayed by
+  sglang-router (which rebuilds the body from SGLang's fields: it drops unknown ones
+  and adds ``model``, ``stream`` and other flags at their defaults) lose nothing; those
+  flags are accepted at SGLang's defaults.
 * Weight pushes carry ``dew_version`` (required) and are refused (400, the old weights
   keep serving) unless it is newer than the served version; a file's own
   ``dew_version`` must equal it, and its checksum must match (:mod:`dew.serving.weights`).
@@ -154,7 +158,7 @@ def _answer(rid: str, prompt: int, req: GenerateBody, call: Any) -> dict[str, An
         "dew_temperature": float(call.temperature),
         "dew_support": (
             [[int(s) for s in row] for row in call.support]
-            if req.dew_return_support and call.support is not None
+            if call.support is not None  # kept when the params filter or are greedy
             else None
         ),
     }

@@ -12,6 +12,18 @@ rotation (a bounded LRU table), so a shared prompt prefix is computed once there
 call submitted while no member is in rotation waits (never blocking ``submit``) until
 one joins, or resolves to :class:`~dew.core.EngineError` after ``timeout`` seconds.
 
+Behind sglang-router (``router=URL``, or ``launch(..., router=POLICY)`` to start one):
+calls go to the router, whose policy picks the worker; the members are its workers,
+and everything else still goes to them directly: weight pushes, health checks, and
+aborts (the router does not relay ``/abort_request``, so an abort goes to every
+worker; a worker without the rid ignores it). Taking a worker out also takes it off
+the router's list, and bringing it back puts it on again, each confirmed by the
+router's list before the fleet goes on; a launched worker restarts on its own port.
+Since the fleet does not know which worker runs a call, a take-out fails no call in
+this mode: calls on a worker that died fail there (the router may retry them
+elsewhere), calls on a worker that hangs end at ``timeout``. The README says when to
+prefer which mode.
+
 Threads: the fleet owns a health thread (every ``health_interval`` seconds it pings
 each member with a short timeout, concurrently, takes out members that failed
 ``max_failures`` checks in a row, and brings back members that answer again), for a

@@ -22,6 +22,7 @@ from dew.core._checks import as_int
 from dew.serving._requests import make_request
 from dew.serving.fleet._care import Care
 from dew.serving.fleet._parts import (
+    BACKOFF_MAX,
     CLOSED,
     OUT,
     SHM,
@@ -33,6 +34,7 @@ from dew.serving.fleet._parts import (
     MemberInfo,
     settle,
 )
+from dew.serving.fleet._router import RouterAdmin, RouterProcess
 from dew.serving.http_engine import HTTPEngine
 
 log = logging.getLogger("dew.serving.fleet")
@@ -50,6 +52,10 @@ class EngineFleet(Care, Engine):
     ``health_interval``: seconds between health rounds; ``max_failures``: failed checks
     in a row that take a member out. ``timeout``: how long a call may wait for a member
     to join the rotation. ``affinity_size``: entries of the affinity table.
+    ``router``: the URL of an sglang-router whose workers are exactly ``engines``; calls
+    then go through it (its policy routes them, ``affinity`` is not used), while weights,
+    aborts and health checks go to each worker directly, and a worker out of rotation is
+    also taken off the router's list (the package docstring says when to choose which).
     """
 
     def __init__(
@@ -64,7 +70,9 @@ class EngineFleet(Care, Engine):
         connect_timeout: float = 2.0,
         affinity_size: int = 4096,
         startup_timeout: float = 120.0,
+        router: str | None = None,
         _locals: Sequence[Local] | None = None,
+        _router_process: RouterProcess | None = None,
     ) -> None:
         for name, value in (("health_interval", health_interval), ("timeout", timeout)):
             if not isinstance(value, (int, float)) or not value > 0:
@@ -98,10 +106,20 @@ class EngineFleet(Care, Engine):
             self._model = (first.max_len, first.vocab_size, first.eos_token_ids)
             for m in members[1:]:
                 self._check_model(m.engine)
+            self._front: Member | None = None  # the router, in router mode
+            self._admin: RouterAdmin | None = None
+            if router is not None:
+                workers = [m.engine.url for m in members]
+                front = HTTPEngine(router, abort_urls=workers, **self._engine_kw)
+                made.append(front)
+                self._check_model(front)
+                self._front = Member(front, None)
+                self._admin = RouterAdmin(router, api_key=api_key, timeout=self._timeout)
         except BaseException:
             for e in made:
                 e.close()
             raise
+        self._router_process = _router_process
         self._members = members
         self._version = max(m.engine.version for m in members)
         for m in members:
@@ -110,6 +128,8 @@ class EngineFleet(Care, Engine):
                 m.confirmed = self._version
             else:
                 m.state, m.reason = OUT, f"serves version {m.engine.version}, behind"
+                if self._admin is not None:
+                    self._admin.remove(m.engine.url)
         self._lock = threading.Lock()
         self._publish_lock = threading.Lock()
         self._closed = False
@@ -144,13 +164,17 @@ class EngineFleet(Care, Engine):
         args: Sequence[str] = (),
         env: Mapping[str, str] | None = None,
         startup_timeout: float = 120.0,
+        router: str | None = None,
         **kwargs: Any,
     ) -> EngineFleet:
         """Start ``count`` local ``dew serve`` processes on 127.0.0.1 (``--demo SIZE``
         or ``--model PATH``, ``--seed seed`` for all, so the demo weights agree, plus
         ``args``; ``env`` added to this process's environment, e.g. ``OMP_NUM_THREADS``)
         and return a fleet that owns them, with a supervisor restarting any that dies.
-        ``kwargs`` go to the constructor."""
+        ``router``: also start an sglang-router with this policy (``cache_aware``,
+        ``round_robin``, ...) in front of them, owned by the fleet too; a worker then
+        restarts on its port, so the router's list keeps its URL. ``kwargs`` go to the
+        constructor."""
         count = as_int(count, "count")
         if count < 1 or (demo is None) == (model is None):
             raise ValueError("launch needs count >= 1 and exactly one of demo= or model=")
@@ -163,10 +187,25 @@ class EngineFleet(Care, Engine):
         urls: list[Future[str]] = []
         with ThreadPoolExecutor(max_workers=count) as pool:
             urls = [pool.submit(p.start, startup_timeout, never) for p in locals_]
+        front = None
         try:
             started = [u.result() for u in urls]
-            return cls(started, startup_timeout=startup_timeout, _locals=locals_, **kwargs)
+            if router is not None:
+                for p, url in zip(locals_, started, strict=True):
+                    p.argv[-1] = url.rsplit(":", 1)[1]  # "--port", "0" -> its own port
+                front = RouterProcess(started, policy=router)
+                front.start(startup_timeout)
+            return cls(
+                started,
+                startup_timeout=startup_timeout,
+                router=None if front is None else front.url,
+                _locals=locals_,
+                _router_process=front,
+                **kwargs,
+            )
         except BaseException:
+            if front is not None:
+                front.stop(5.0)
             for p in locals_:
                 p.stop(5.0)
             raise
@@ -193,7 +232,8 @@ class EngineFleet(Care, Engine):
     def in_flight(self) -> int:
         """Calls submitted and not yet resolved (waiting ones included)."""
         with self._lock:
-            return len(self._waiting) + sum(len(m.calls) for m in self._members)
+            front = 0 if self._front is None else len(self._front.calls)
+            return len(self._waiting) + front + sum(len(m.calls) for m in self._members)
 
     def members(self) -> list[MemberInfo]:
         """A snapshot of every member, in construction order."""
@@ -261,7 +301,10 @@ class EngineFleet(Care, Engine):
             )
 
     def _pick(self, affinity: Hashable | None) -> Member | None:
-        """The member for a call (lock held): the affinity's while up, else least work."""
+        """The member for a call (lock held): the affinity's while up, else least work;
+        in router mode the router, while any worker is up."""
+        if self._front is not None:
+            return self._front if any(m.state == UP for m in self._members) else None
         if affinity is not None:
             member = self._affinity.get(affinity)
             if member is not None and member.state == UP:
@@ -327,7 +370,8 @@ class EngineFleet(Care, Engine):
         error = inner.exception()
         if isinstance(error, RuntimeError):  # the member, not the fleet, was closed
             error = EngineError(f"{member.engine.url}: {error}")
-        if isinstance(error, EngineError):  # out if a health check confirms it
+        if isinstance(error, EngineError) and member is not self._front:  # out if a health
+            # check confirms it (the router's errors are its workers': their checks decide)
             with self._lock:
                 gen, engine = member.gen, member.engine
             with contextlib.suppress(RuntimeError):  # the pool is shut: closing
@@ -347,6 +391,11 @@ class EngineFleet(Care, Engine):
             member.calls.clear()
         if was == UP:
             log.warning("fleet: %s taken out: %s", member.engine.url, reason)
+            if self._admin is not None:
+                try:
+                    self._admin.remove(member.engine.url)
+                except EngineError as exc:  # the router then finds it unhealthy itself
+                    log.warning("fleet: %s stays on the router's list: %s", member.engine.url, exc)
         error = EngineError(f"{member.engine.url} was taken out of the fleet: {reason}")
         dead = member.local is not None and not member.local.alive()
         for call in calls:
@@ -356,6 +405,15 @@ class EngineFleet(Care, Engine):
 
     def _join(self, member: Member, gen: int, version: int) -> bool:
         """Put a member brought to ``version`` back in rotation (publish lock held)."""
+        if self._admin is not None:
+            try:
+                self._admin.add(member.engine.url)
+            except EngineError as exc:
+                with self._lock:
+                    member.reason = f"the router did not take it back: {exc}"
+                    member.backoff = min(BACKOFF_MAX, member.backoff * 2)
+                    member.retry_at = time.monotonic() + member.backoff
+                return False
         with self._lock:
             if member.gen != gen or self._closed:
                 return False
@@ -454,19 +512,24 @@ class EngineFleet(Care, Engine):
             if self._closed:
                 return
             self._closed = True
-            calls = list(self._waiting) + [c for m in self._members for c in m.calls]
+            everyone = self._members + ([] if self._front is None else [self._front])
+            calls = list(self._waiting) + [c for m in everyone for c in m.calls]
             self._waiting.clear()
-            for m in self._members:
+            for m in everyone:
                 m.calls.clear()
                 m.gen += 1
         self._stopping.set()
         error = RuntimeError("EngineFleet was closed before this request finished")
         for call in calls:
             settle(call.outer, error)
-        for m in self._members:
+        for m in everyone:
             m.engine.close()  # also unblocks a push or ping a thread waits on
         for t in self._threads:
             t.join()
+        if self._admin is not None:
+            self._admin.close()
+        if self._router_process is not None:
+            self._router_process.stop(grace)
         stops = [self._pool.submit(m.engine.close) for m in self._members]
         stops += [
             self._pool.submit(m.local.stop, grace) for m in self._members if m.local is not None
