@@ -20,8 +20,8 @@ test-slow: $(STAMP)
 	$(PY) -m pytest -q -m slow || test $$? -eq 5
 
 lint: $(STAMP)
-	$(VENV)/bin/ruff check src tests bench
-	$(VENV)/bin/ruff format --check src tests bench
+	$(VENV)/bin/ruff check src tests bench examples
+	$(VENV)/bin/ruff format --check src tests bench examples
 
 demo: $(STAMP)
 	$(VENV)/bin/dew demo

@@ -117,6 +117,13 @@ def parser() -> argparse.ArgumentParser:
         help="serve a model's continuous-batching engine over HTTP (dew serve --help)",
     )
     serve.add_argument("args", nargs=argparse.REMAINDER)  # main() hands these to dew.serve
+
+    train = sub.add_parser(
+        "train",
+        add_help=False,  # `dew train --help` is the job's own help
+        help="train your own model, data and rewards from a TOML config (dew train --help)",
+    )
+    train.add_argument("args", nargs=argparse.REMAINDER)  # main() hands these to dew.job
     return p
 
 
@@ -131,6 +138,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from dew.serve import main as serve_main
 
         return serve_main(argv[1:])
+    if argv[:1] == ["train"]:
+        from dew.job.cli import main as train_main
+
+        return train_main(argv[1:])
     args = parser().parse_args(argv)
     run: Callable[[argparse.Namespace], int] = args.run
     return run(args)

@@ -94,6 +94,8 @@ def plot_run(run_dir: str | os.PathLike[str], out: str | os.PathLike[str] | None
             else:
                 line.set_label(label)
                 line.set_alpha(1.0)
+        if title == "reward":
+            _evaluations(ax, run / "eval.jsonl")
         ax.set_ylabel(title, fontsize=8)
         if ax.get_legend_handles_labels()[0]:
             ax.legend(fontsize=7, loc="best")
@@ -104,3 +106,19 @@ def plot_run(run_dir: str | os.PathLike[str], out: str | os.PathLike[str] | None
     fig.savefig(target, dpi=100)
     plt.close(fig)
     return target
+
+
+def _evaluations(ax: Any, path: Path) -> None:
+    """The evaluations of ``dew train`` (``eval.jsonl``), as points on the reward axis."""
+    if not path.is_file():
+        return
+    evals = []
+    for line in path.read_text().splitlines():
+        try:
+            evals.append(json.loads(line))
+        except ValueError:
+            break  # a torn last line from a killed writer
+    steps = [e["step"] for e in evals]
+    ax.plot(steps, [e["reward/mean"] for e in evals], "o-", markersize=4, label="eval reward")
+    for key in sorted({k for e in evals for k in e if k.startswith("pass@")}):
+        ax.plot(steps, [e.get(key) for e in evals], "s--", markersize=4, label=f"eval {key}")

@@ -40,6 +40,7 @@ Not thread-based: the loop runs on the caller's thread; the scheduler owns its o
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 import logging
 import math
@@ -150,6 +151,44 @@ def _set_aside_newer(folder: Path, updates: int) -> None:
             path.rename(path.with_name(f"refused-{path.name}-{int(time.time())}"))
 
 
+def _backward(
+    objective: Any, model: Any, packed: Batch, parts: int
+) -> tuple[float, dict[str, float]]:
+    """Forward and backward over ``packed`` in ``parts`` row slices (see ``fit``)."""
+    if parts == 1:
+        loss, metrics = objective.loss(model, packed)
+        loss.backward()
+        return float(loss.detach()), dict(metrics)
+    rows, width = (int(n) for n in packed["loss_mask"].shape)
+    total = 0.0
+    weighted: dict[str, float] = {}
+    tokens = float(packed["loss_mask"].sum())
+    for start, stop in _slices(rows, parts):
+        part = {k: v[start:stop] if _per_row(v, rows) else v for k, v in packed.items()}
+        loss, metrics = objective.loss(model, part, normalizer=float(rows * width))
+        loss.backward()
+        total += float(loss.detach())
+        share = float(part["loss_mask"].sum()) / tokens if tokens else 1.0 / parts
+        for name, value in metrics.items():
+            if name.endswith("_max"):
+                weighted[name] = max(weighted.get(name, value), value)
+            elif name.endswith("_tokens"):  # counts add up
+                weighted[name] = weighted.get(name, 0.0) + float(value)
+            else:
+                weighted[name] = weighted.get(name, 0.0) + share * float(value)
+    return total, weighted
+
+
+def _slices(rows: int, parts: int) -> list[tuple[int, int]]:
+    edges = [round(i * rows / parts) for i in range(parts + 1)]
+    return [(a, b) for a, b in itertools.pairwise(edges) if b > a]
+
+
+def _per_row(value: Any, rows: int) -> bool:
+    shape = getattr(value, "shape", ())
+    return len(shape) >= 1 and int(shape[0]) == rows
+
+
 def fit(
     model: Any,
     optimizer: Any,
@@ -168,6 +207,7 @@ def fit(
     tensorboard: bool = True,
     config: Mapping[str, Any] | None = None,
     freeze_gc: bool = False,
+    micro_batches: int = 1,
 ) -> FitResult:
     """Train until ``steps`` optimizer updates have been taken in total.
 
@@ -180,6 +220,14 @@ def fit(
     ``prefetch`` is the look-ahead depth of the stream reader (default: the rollout's
     ``ahead``, at least 1). ``log`` callbacks receive each step's record.
     ``config`` is stored as JSON in every checkpoint.
+
+    ``micro_batches``: split each packed batch by rows into this many parts, each run
+    forward and backward on its own, gradients summed before the one optimizer step (so
+    a step's rows need not fit in memory at once). The update equals the whole batch's
+    to float rounding: each part's loss is normalized by the whole batch's size
+    (``objective.loss(model, part, normalizer=rows * width)``). Metrics are the parts'
+    averages weighted by their trained tokens (``*_max``: the largest; ``*_tokens``
+    counts: the sum).
 
     ``freeze_gc`` (off by default) freezes the heap alive after the first ten steps,
     so the cyclic collector's full passes stop walking the model, optimizer and
@@ -205,6 +253,8 @@ def fit(
         )
     if not isinstance(freeze_gc, bool):
         raise ValueError(f"freeze_gc={freeze_gc!r} must be True or False")
+    if isinstance(micro_batches, bool) or not isinstance(micro_batches, int) or micro_batches < 1:
+        raise ValueError(f"micro_batches={micro_batches!r} must be an int >= 1")
     if max_grad_norm is not None and not max_grad_norm > 0:
         raise ValueError(f"max_grad_norm={max_grad_norm!r} must be None or > 0")
     run = None if run_dir is None else Path(run_dir)
@@ -262,9 +312,8 @@ def fit(
             seen = len(_history(rollout))
             packed = rollout(model, batch, updates=updates)
             t1 = time.monotonic()
-            loss, metrics = objective.loss(model, packed)
             optimizer.zero_grad(set_to_none=True)
-            loss.backward()
+            loss, metrics = _backward(objective, model, packed, micro_batches)
             grad_norm = None
             if max_grad_norm is not None:
                 norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)
@@ -280,7 +329,7 @@ def fit(
                 "seconds": t2 - t0,
                 "rollout_seconds": t1 - t0,
                 "train_seconds": t2 - t1,
-                "loss": float(loss.detach()),
+                "loss": loss,
                 "metrics": {k: float(v) for k, v in metrics.items()},
             }
             if grad_norm is not None:

@@ -78,6 +78,21 @@ def token_ids(value: object, name: str) -> list[int]:
         raise ValueError(f"{name} must be token ids (ints)") from None
 
 
+def encode_prompt(item: Any, name: str, *, tokenizer: Any, chat: ChatTokens | None) -> list[int]:
+    """A prompt's token ids, as :class:`PromptSource` sends it (see the module
+    docstring); ValueError naming ``name`` for an item it cannot take."""
+    if chat is not None:
+        messages = [{"role": "user", "content": item}] if isinstance(item, str) else item
+        if not isinstance(messages, Sequence) or not all(isinstance(m, Mapping) for m in messages):
+            raise ValueError(f"{name} must be a string or a list of chat messages")
+        return chat.first(messages)
+    if isinstance(item, str):
+        if tokenizer is None:
+            raise ValueError(f"{name} is text; text prompts need a tokenizer")
+        return [int(t) for t in tokenizer(item)["input_ids"]]
+    return token_ids(item, name)
+
+
 def task_index(task: Task, key: RolloutKey, size: int) -> int:
     """The prompt index a task id names; ValueError naming the key otherwise."""
     try:
@@ -157,19 +172,7 @@ class PromptSource(ThreadedSource):
         return ids
 
     def _encode(self, item: Any, index: int) -> list[int]:
-        name = f"prompts[{index}]"
-        if self._chat is not None:
-            messages = [{"role": "user", "content": item}] if isinstance(item, str) else item
-            if not isinstance(messages, Sequence) or not all(
-                isinstance(m, Mapping) for m in messages
-            ):
-                raise ValueError(f"{name} must be a string or a list of chat messages")
-            return self._chat.first(messages)
-        if isinstance(item, str):
-            if self.tokenizer is None:
-                raise ValueError(f"{name} is text; text prompts need a tokenizer")
-            return [int(t) for t in self.tokenizer(item)["input_ids"]]
-        return token_ids(item, name)
+        return encode_prompt(item, f"prompts[{index}]", tokenizer=self.tokenizer, chat=self._chat)
 
     def completion_view(self, call: Call) -> str | list[int]:
         """What the verifier sees: the completion without its stop token, as text when

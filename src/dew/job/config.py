@@ -1,0 +1,429 @@
+"""The config of ``dew train``: one TOML file, checked whole before anything runs.
+
+A config has these sections (each a table; ``[[rewards]]`` an array of tables)::
+
+    [model]      path, dtype, gradient_checkpointing
+    [data]       path, prompt_column | messages_column, eval_path
+    [[rewards]]  function ("pkg.mod:fn" or "path/to/file.py:fn"), weight
+    [sampling]   the fields of dew.core.SamplingParams
+    [scheduler]  the knobs of dew.objectives.rl.SchedulerConfig
+    [objective]  clip, clip_high, importance_cap of GRPOObjective
+    [training]   steps, tasks, lr, warmup_steps, schedule, max_grad_norm,
+                 micro_batches, seed, ...
+    [engine]     kind ("in-process", "fleet", "urls"), engines, urls
+    [output]     run_dir, checkpoint_every, keep, export_every, tensorboard
+
+The sampling, scheduler and objective sections are built from the library's own
+types (fields, annotations and defaults), so each default is written once, there, and
+the library's own checks run on the values. Every field can be
+overridden on the command line as ``--section.field VALUE`` (VALUE read as a TOML
+value, so ``2``, ``0.5``, ``true``, ``[1, 2]`` and ``"text"`` keep their types; a bare
+word is a string; ``none`` clears an optional field).
+
+Every problem is a :class:`ConfigError` whose message names the field
+(``scheduler.ahead: ...``), and an unknown key names the closest valid one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import inspect
+import json
+import math
+import tomllib
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    ValidationError,
+    create_model,
+    field_validator,
+    model_validator,
+)
+
+from dew.core import SamplingParams
+from dew.objectives.rl.config import SchedulerConfig
+from dew.objectives.rl.grpo import GRPOObjective
+from dew.train import fit
+
+__all__ = ["ConfigError", "JobConfig", "load_config", "parse_overrides"]
+
+
+class ConfigError(ValueError):
+    """A config that cannot run; the message names the field and the problem."""
+
+
+# fit's own defaults, written once there.
+_FIT = {
+    name: p.default
+    for name, p in inspect.signature(fit).parameters.items()
+    if p.default is not inspect.Parameter.empty
+}
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
+
+
+class ModelSection(_Section):
+    path: str
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    gradient_checkpointing: bool = False
+
+
+class DataSection(_Section):
+    path: str
+    prompt_column: str | None = None  # default "prompt" unless messages_column is set
+    messages_column: str | None = None
+    eval_path: str | None = None
+
+    @property
+    def column(self) -> str:
+        return self.messages_column or self.prompt_column or "prompt"
+
+    @property
+    def chat(self) -> bool:
+        return self.messages_column is not None
+
+
+class RewardSection(_Section):
+    function: str
+    weight: float = 1.0
+
+    @field_validator("function")
+    @classmethod
+    def _named(cls, value: str) -> str:
+        if ":" not in value or not all(value.rsplit(":", 1)):
+            raise ValueError("must be 'package.module:function' or 'path/to/file.py:function'")
+        return value
+
+    @field_validator("weight")
+    @classmethod
+    def _finite(cls, value: float) -> float:
+        if not math.isfinite(value):
+            raise ValueError("must be a finite number")
+        return value
+
+
+class TrainingSection(_Section):
+    steps: int
+    tasks: int = 8  # prompts per step; each makes scheduler.groups rollouts
+    lr: float = 1e-5
+    weight_decay: float = 0.0
+    warmup_steps: int = 0  # lr rises linearly to `lr` over these first steps
+    schedule: Literal["constant", "linear", "cosine"] = "constant"  # after warmup, to 0
+    max_grad_norm: float | None = _FIT["max_grad_norm"]
+    micro_batches: int = _FIT["micro_batches"]  # parts of a step's rows, one backward each
+    seed: int = 0
+    # Evaluation on data.eval_path (dew.job.evaluate): every eval_every steps and at the end.
+    eval_every: int | None = None
+    eval_samples: int = 1  # k of pass@k
+    eval_temperature: float = 0.0  # 0: greedy
+    eval_pass: float = 1.0  # a sample passes with a reward at least this
+
+    @field_validator("steps", "tasks", "micro_batches", "eval_samples")
+    @classmethod
+    def _positive(cls, value: int) -> int:
+        if value < 1:
+            raise ValueError("must be >= 1")
+        return value
+
+    @field_validator("warmup_steps")
+    @classmethod
+    def _not_negative(cls, value: int) -> int:
+        if value < 0:
+            raise ValueError("must be >= 0")
+        return value
+
+    @field_validator("lr", "max_grad_norm")
+    @classmethod
+    def _positive_real(cls, value: float | None) -> float | None:
+        if value is not None and not (math.isfinite(value) and value > 0):
+            raise ValueError("must be a finite number > 0")
+        return value
+
+
+class EngineSection(_Section):
+    kind: Literal["in-process", "fleet", "urls"] = "in-process"
+    engines: int = 2  # kind = "fleet": local dew serve processes
+    urls: tuple[str, ...] = ()  # kind = "urls": running dew serve servers
+
+    @field_validator("engines")
+    @classmethod
+    def _some(cls, value: int) -> int:
+        if value < 1:
+            raise ValueError("must be >= 1")
+        return value
+
+    @model_validator(mode="after")
+    def _urls_for_urls(self) -> EngineSection:
+        if self.kind == "urls" and not self.urls:
+            raise ValueError('kind = "urls" needs urls = ["http://host:port", ...]')
+        return self
+
+
+class OutputSection(_Section):
+    run_dir: str
+    checkpoint_every: int | None = _FIT["checkpoint_every"]
+    keep: int = _FIT["keep"]
+    export_every: int | None = None  # save_pretrained folders; one at the end always
+    tensorboard: bool = _FIT["tensorboard"]
+
+
+def _from_dataclass(cls: type, name: str, skip: Sequence[str] = ()) -> type[_Section]:
+    """A section whose fields, types and defaults are the dataclass's own (the
+    dataclass's checks run when the section is turned into it)."""
+    fields: dict[str, Any] = {}
+    for f in dataclasses.fields(cls):
+        if f.name in skip:
+            continue
+        kind = f.type if not isinstance(f.type, str) else _resolved(cls, f.name)
+        default = ... if f.default is dataclasses.MISSING else f.default
+        fields[f.name] = (kind, default)
+    return create_model(name, __base__=_Section, **fields)
+
+
+def _resolved(cls: type, field: str) -> Any:
+    import typing
+
+    return typing.get_type_hints(cls)[field]
+
+
+# In a config, a registered estimator or truncation policy is named; a function is a
+# thing of the Python API.
+SamplingSection = _from_dataclass(SamplingParams, "SamplingSection")
+
+
+def _from_signature(fn: Any, name: str, skip: Sequence[str] = ()) -> type[_Section]:
+    """A section of ``fn``'s keyword arguments, with its annotations and defaults."""
+    import typing
+
+    hints = typing.get_type_hints(fn)
+    fields = {
+        p.name: (hints[p.name], p.default)
+        for p in inspect.signature(fn).parameters.values()
+        if p.kind is p.KEYWORD_ONLY and p.name not in skip
+    }
+    return create_model(name, __base__=_Section, **fields)
+
+
+# The objective's temperature is the sampling temperature (the log-probs' own).
+ObjectiveSection = _from_signature(
+    GRPOObjective.__init__, "ObjectiveSection", skip=("temperature",)
+)
+SchedulerSection = create_model(
+    "SchedulerSection",
+    __base__=_from_dataclass(SchedulerConfig, "_Knobs", skip=("estimator", "truncation")),
+    estimator=(str, SchedulerConfig.estimator),
+    truncation=(str, SchedulerConfig.truncation),
+)
+
+
+class JobConfig(_Section):
+    """A whole ``dew train`` config; :func:`load_config` builds and checks one."""
+
+    model: ModelSection
+    data: DataSection
+    rewards: tuple[RewardSection, ...]
+    sampling: SamplingSection  # type: ignore[valid-type]
+    scheduler: SchedulerSection = SchedulerSection()  # type: ignore[valid-type]
+    objective: ObjectiveSection = ObjectiveSection()  # type: ignore[valid-type]
+    training: TrainingSection
+    engine: EngineSection = EngineSection()
+    output: OutputSection
+
+    @field_validator("rewards")
+    @classmethod
+    def _some(cls, value: tuple[RewardSection, ...]) -> tuple[RewardSection, ...]:
+        if not value:
+            raise ValueError("needs at least one [[rewards]] table")
+        return value
+
+    @model_validator(mode="after")
+    def _eval_needs_data(self) -> JobConfig:
+        every = self.training.eval_every
+        if every is not None and every < 1:
+            raise ValueError("training.eval_every: must be None or >= 1")
+        if every is not None and self.data.eval_path is None:
+            raise ValueError("training.eval_every: set data.eval_path to evaluate on")
+        temperature = self.training.eval_temperature
+        if not (math.isfinite(temperature) and temperature >= 0):
+            raise ValueError("training.eval_temperature: must be a finite number >= 0")
+        return self
+
+    def sampling_params(self) -> SamplingParams:
+        return SamplingParams(**self.sampling.model_dump())  # type: ignore[attr-defined]
+
+    def scheduler_config(self) -> SchedulerConfig:
+        return SchedulerConfig(**self.scheduler.model_dump())  # type: ignore[attr-defined]
+
+    def grpo_objective(self) -> GRPOObjective:
+        temperature = self.sampling.temperature or 1.0  # type: ignore[attr-defined]
+        return GRPOObjective(temperature=temperature, **self.objective.model_dump())  # type: ignore[attr-defined]
+
+    def to_toml(self) -> str:
+        """The resolved config as TOML (what ``--print-config`` prints and the run
+        folder keeps); loading it gives this config back."""
+        return _toml(self.model_dump(exclude_none=True)).lstrip("\n")
+
+
+def load_config(path: str | Path, overrides: Sequence[str] = ()) -> JobConfig:
+    """Read ``path`` (TOML), apply ``--section.field VALUE`` overrides, check it all.
+
+    Relative paths in the config are kept as written (relative to the working
+    directory, as a command line's are)."""
+    path = Path(path)
+    try:
+        raw = tomllib.loads(path.read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"{path}: no such config file") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"{path}: cannot be read: {exc}") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"{path}: not valid TOML: {exc}") from None
+    for key, value in parse_overrides(overrides):
+        _set(raw, key, value)
+    return check(raw, where=str(path))
+
+
+def check(raw: Mapping[str, Any], where: str = "config") -> JobConfig:
+    """The :class:`JobConfig` of ``raw`` (a parsed TOML document), or ConfigError."""
+    _unknown_keys(raw, JobConfig, prefix="")
+    try:
+        # As JSON: strict types, with TOML arrays taken for tuples.
+        config = JobConfig.model_validate_json(json.dumps(raw, default=str))
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        field = ".".join(str(p) for p in first["loc"])  # empty: a check across sections
+        named = f"{field}: " if field else ""
+        raise ConfigError(f"{where}: {named}{_message(first)}") from None
+    for section, build in (
+        ("sampling", config.sampling_params),
+        ("scheduler", config.scheduler_config),
+        ("objective", config.grpo_objective),
+    ):
+        try:
+            build()  # the dataclass's own checks
+        except ValueError as exc:  # its message starts with the field's name
+            name = str(exc).split("=", 1)[0].split(" ", 1)[0]
+            raise ConfigError(f"{where}: {section}.{name}: {exc}") from None
+    return config
+
+
+def parse_overrides(args: Sequence[str]) -> list[tuple[str, Any]]:
+    """``["--scheduler.ahead", "2", ...]`` (or ``--scheduler.ahead=2``) as (key, value)."""
+    out: list[tuple[str, Any]] = []
+    items = list(args)
+    while items:
+        flag = items.pop(0)
+        if not flag.startswith("--") or "." not in flag:
+            raise ConfigError(f"{flag!r}: overrides are --section.field VALUE")
+        key, eq, text = flag[2:].partition("=")
+        if not eq:
+            if not items:
+                raise ConfigError(f"{flag}: missing its value")
+            text = items.pop(0)
+        out.append((key, _value(text)))
+    return out
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+def _value(text: str) -> Any:
+    if text.lower() in ("none", "null"):
+        return None
+    try:
+        return tomllib.loads(f"v = {text}")["v"]
+    except tomllib.TOMLDecodeError:
+        return text  # a bare word: a string
+
+
+def _set(raw: dict[str, Any], key: str, value: Any) -> None:
+    *parents, last = key.split(".")
+    node: Any = raw
+    for i, part in enumerate(parents):
+        if isinstance(node, list):  # rewards.0.weight
+            if not part.isdigit() or int(part) >= len(node):
+                raise ConfigError(f"--{key}: {'.'.join(parents[: i + 1])} is not an entry")
+            node = node[int(part)]
+        else:
+            node = node.setdefault(part, {})
+        if not isinstance(node, (dict, list)):
+            raise ConfigError(f"--{key}: {'.'.join(parents[: i + 1])} is not a section")
+    if value is None:
+        node.pop(last, None)
+    else:
+        node[last] = value
+
+
+def _unknown_keys(raw: Mapping[str, Any], model: type[BaseModel], prefix: str) -> None:
+    """Unknown keys, named with the closest valid key, before pydantic's messages."""
+    fields = model.model_fields
+    for key, value in raw.items():
+        if key not in fields:
+            close = difflib.get_close_matches(key, list(fields), n=1)
+            hint = f" (did you mean {prefix}{close[0]}?)" if close else ""
+            valid = ", ".join(fields)
+            raise ConfigError(f"{prefix}{key}: unknown key{hint}; valid keys: {valid}")
+        inner = _section_model(fields[key].annotation)
+        if inner is None:
+            continue
+        if isinstance(value, Mapping):
+            _unknown_keys(value, inner, f"{prefix}{key}.")
+        elif isinstance(value, list):
+            for i, item in enumerate(value):
+                if isinstance(item, Mapping):
+                    _unknown_keys(item, inner, f"{prefix}{key}.{i}.")
+
+
+def _section_model(annotation: Any) -> type[BaseModel] | None:
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return annotation
+    for arg in getattr(annotation, "__args__", ()):
+        if isinstance(arg, type) and issubclass(arg, BaseModel):
+            return arg
+    return None
+
+
+def _message(error: Mapping[str, Any]) -> str:
+    if error["type"] == "missing":
+        return "required, but missing"
+    text = str(error["msg"]).removeprefix("Value error, ")
+    if "input" in error and error["type"] not in ("missing",):
+        text += f" (got {error['input']!r})"
+    return text
+
+
+def _toml(data: Mapping[str, Any], prefix: str = "") -> str:
+    """``data`` (nested mappings, sequences of mappings, plain values) as TOML."""
+    plain, tables = [], []
+    for key, value in data.items():
+        if isinstance(value, Mapping):
+            tables.append(f"\n[{prefix}{key}]\n" + _toml(value, f"{prefix}{key}."))
+        elif (
+            isinstance(value, (list, tuple))
+            and value
+            and all(isinstance(v, Mapping) for v in value)
+        ):
+            for item in value:
+                tables.append(f"\n[[{prefix}{key}]]\n" + _toml(item, f"{prefix}{key}."))
+        else:
+            plain.append(f"{key} = {_toml_value(value)}\n")
+    return "".join(plain) + "".join(tables)
+
+
+def _toml_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (int, float)):
+        return repr(value)
+    if isinstance(value, str):
+        return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+    raise TypeError(f"cannot write {value!r} as TOML")

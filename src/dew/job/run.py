@@ -1,0 +1,292 @@
+"""Run a checked :class:`~dew.job.config.JobConfig`: ``dew train`` after parsing.
+
+Order matters for "nothing half-made": the config, the reward functions, the model,
+the tokenizer and every dataset row are loaded and checked before the run folder is
+created, so a config that cannot run leaves nothing behind. Then the run folder gets
+``config.toml`` (the resolved config), ``skipped_rows.json`` (when rows were skipped),
+``records.jsonl``, ``checkpoints/`` (exact resume, as :func:`dew.train.fit` does) and
+``export/`` (``save_pretrained`` of the model and its tokenizer at the end, and
+``export/step-N`` every ``output.export_every`` steps), loadable by ``transformers`` as
+they are.
+
+Threads: none of its own; the engine, the source and the scheduler own theirs, and
+each is closed by one ExitStack in the reverse order of its making.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from contextlib import ExitStack
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from dew.job.config import ConfigError, JobConfig
+from dew.job.data import Rows, load_rows
+from dew.job.rewards import Reward, RewardError, combine, load_reward
+
+__all__ = ["Prepared", "prepare", "train"]
+
+
+@dataclass
+class Prepared:
+    """Everything checked and loaded, before anything is written."""
+
+    config: JobConfig
+    model: Any
+    tokenizer: Any
+    rows: Rows
+    rewards: list[Reward]
+    eval_rows: Rows | None = None
+
+
+def prepare(config: JobConfig) -> Prepared:
+    """Load and check what the run needs; ConfigError naming the first problem."""
+    import datasets
+    import torch
+    import transformers
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    # One progress bar (ours) on the terminal, not one per load and per save.
+    transformers.utils.logging.disable_progress_bar()
+    datasets.disable_progress_bars()
+
+    rewards = []
+    for i, section in enumerate(config.rewards):
+        try:
+            rewards.append(load_reward(section.function, section.weight))
+        except RewardError as exc:
+            raise ConfigError(f"rewards.{i}.function: {exc}") from None
+    path = Path(config.model.path)
+    if not (path / "config.json").is_file():
+        raise ConfigError(f"model.path: {path} is not a model folder (no config.json)")
+    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[config.model.dtype]
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"model.path: {path} cannot be loaded: {exc}") from None
+    if config.model.gradient_checkpointing:
+        model.gradient_checkpointing_enable()
+    if config.data.chat and not getattr(tokenizer, "chat_template", None):
+        raise ConfigError(f"data.messages_column: the tokenizer at {path} has no chat template")
+    max_len = int(getattr(model.config, "max_position_embeddings", 0) or 0)
+    if max_len < 2:
+        raise ConfigError(f"model.path: {path}'s config has no max_position_embeddings")
+    max_tokens = config.sampling.max_tokens  # type: ignore[attr-defined]
+    rows = load_rows(
+        config.data.path,
+        column=config.data.column,
+        chat=config.data.chat,
+        tokenizer=tokenizer,
+        max_len=max_len,
+        max_tokens=max_tokens,
+    )
+    eval_rows = None
+    if config.data.eval_path is not None:
+        eval_rows = load_rows(
+            config.data.eval_path,
+            column=config.data.column,
+            chat=config.data.chat,
+            tokenizer=tokenizer,
+            max_len=max_len,
+            max_tokens=max_tokens,
+            field="data.eval_path",
+        )
+    return Prepared(config, model, tokenizer, rows, rewards, eval_rows)
+
+
+def train(prepared: Prepared, *, resume: bool = False, progress: bool = True) -> Any:
+    """Train as ``prepared.config`` says; returns :class:`dew.train.FitResult`."""
+    import numpy as np
+    import torch
+
+    from dew.data import Dataset
+    from dew.objectives.rl.scheduler import RolloutScheduler
+    from dew.objectives.rl.sources import PromptSource
+    from dew.train import fit
+
+    config, model, tokenizer, rows = (
+        prepared.config,
+        prepared.model,
+        prepared.tokenizer,
+        prepared.rows,
+    )
+    run = Path(config.output.run_dir)
+    if (run / "checkpoints").exists() and not resume:
+        raise ConfigError(f"output.run_dir: {run} already holds a run; add --resume")
+    run.mkdir(parents=True, exist_ok=True)
+    (run / "config.toml").write_text(config.to_toml())
+    if rows.skipped:
+        skipped = {str(i): why for i, why in rows.skipped.items()}
+        (run / "skipped_rows.json").write_text(json.dumps(skipped, indent=1))
+
+    torch.manual_seed(config.training.seed)
+    sampling = config.sampling_params()
+    knobs = config.scheduler_config()
+    verifier = combine(prepared.rewards, rows, prompt_column=rows.column, chat=config.data.chat)
+    groups = knobs.groups
+    width = rows.prompt_tokens + sampling.max_tokens
+    batch_rows = config.training.tasks * groups
+    optimizer = torch.optim.AdamW(
+        model.parameters(), lr=config.training.lr, weight_decay=config.training.weight_decay
+    )
+    objective = config.grpo_objective()
+    dataset = Dataset(
+        {"task_id": np.arange(len(rows))},
+        batch_size=config.training.tasks,
+        seed=config.training.seed,
+    )
+    with ExitStack() as stack:
+        engine = _engine(config, model, batch_rows * (knobs.ahead + 1), stack)
+        source = PromptSource(
+            engine,
+            rows.prompts(),
+            verifier,
+            sampling=sampling,
+            tokenizer=tokenizer,
+            chat_template=config.data.chat,
+        )
+        stack.callback(source.close)
+        scheduler = RolloutScheduler.from_config(
+            objective, source, engine, knobs, width=width, rows=batch_rows
+        )
+        stack.callback(scheduler.close)
+        done = _steps_done(run) if resume else 0
+        log = [
+            _lr_schedule(optimizer, config, done),
+            _exporter(model, tokenizer, run, config.output.export_every),
+        ]
+        if prepared.eval_rows is not None:
+            log.append(_evaluator(prepared, run, sampling))
+        if progress:
+            from tqdm import tqdm
+
+            bar = stack.enter_context(
+                tqdm(total=config.training.steps, desc="dew train", unit="step", dynamic_ncols=True)
+            )
+            log.append(lambda record: _tick(bar, record))
+        result = fit(
+            model,
+            optimizer,
+            dataset,
+            scheduler,
+            objective,
+            steps=config.training.steps,
+            run_dir=run,
+            checkpoint_every=config.output.checkpoint_every,
+            keep=config.output.keep,
+            resume=resume,
+            log=log,
+            max_grad_norm=config.training.max_grad_norm,
+            micro_batches=config.training.micro_batches,
+            tensorboard=config.output.tensorboard,
+            config=config.model_dump(mode="json"),
+            freeze_gc=True,
+        )
+    export(model, tokenizer, run / "export")
+    return result
+
+
+def export(model: Any, tokenizer: Any, folder: Path) -> None:
+    """``save_pretrained`` of the model and its tokenizer (with its chat template)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+
+
+def _exporter(model: Any, tokenizer: Any, run: Path, every: int | None) -> Any:
+    def maybe(record: Any) -> None:
+        step = int(record["step"])
+        if every and step % every == 0:
+            export(model, tokenizer, run / "export" / f"step-{step}")
+
+    return maybe
+
+
+def lr_factor(step: int, *, steps: int, warmup: int, schedule: str) -> float:
+    """The share of ``training.lr`` for update ``step`` (0-based): a linear warmup over
+    ``warmup`` updates, then constant, or a linear or cosine decay to 0 at ``steps``."""
+    if step < warmup:
+        return (step + 1) / warmup
+    progress = min(1.0, (step - warmup) / max(1, steps - warmup))
+    if schedule == "linear":
+        return 1.0 - progress
+    if schedule == "cosine":
+        return 0.5 * (1.0 + math.cos(math.pi * progress))
+    return 1.0
+
+
+def _lr_schedule(optimizer: Any, config: JobConfig, done: int) -> Any:
+    t = config.training
+
+    def apply(step: int) -> None:  # set the lr of update `step` (0-based)
+        factor = lr_factor(step, steps=t.steps, warmup=t.warmup_steps, schedule=t.schedule)
+        for group in optimizer.param_groups:
+            group["lr"] = t.lr * factor
+
+    apply(done)
+    return lambda record: apply(int(record["step"]))  # record["step"] updates are done
+
+
+def _steps_done(run: Path) -> int:
+    from dew._checkpoint import step_of
+    from dew.train import latest_checkpoint
+
+    saved = latest_checkpoint(run)
+    return 0 if saved is None else step_of(saved) or 0
+
+
+def _evaluator(prepared: Prepared, run: Path, sampling: Any) -> Any:
+    from dew.job.evaluate import evaluate, recorder
+
+    config, rows = prepared.config, prepared.eval_rows
+    assert rows is not None
+    t = config.training
+    verifier = combine(prepared.rewards, rows, prompt_column=rows.column, chat=config.data.chat)
+
+    def now() -> dict[str, Any]:
+        return evaluate(
+            prepared.model,
+            prepared.tokenizer,
+            rows,
+            verifier,
+            sampling,
+            samples=t.eval_samples,
+            temperature=t.eval_temperature,
+            threshold=t.eval_pass,
+            chat=config.data.chat,
+            seed=t.seed,
+        )
+
+    return recorder(run, now, t.eval_every or t.steps, t.steps)
+
+
+def _tick(bar: Any, record: Any) -> None:
+    reward = record.get("scheduler", {}).get("metrics", {}).get("reward/mean", math.nan)
+    bar.set_postfix(step=record["step"], reward=f"{reward:.3f}", refresh=False)
+    bar.update(1)
+
+
+def _engine(config: JobConfig, model: Any, max_batch: int, stack: ExitStack) -> Any:
+    kind = config.engine.kind
+    if kind == "in-process":
+        from dew.serving import RolloutServer
+
+        engine: Any = RolloutServer(model, max_batch=max_batch, seed=config.training.seed)
+    elif kind == "fleet":
+        from dew.serving.fleet import EngineFleet
+
+        engine = EngineFleet.launch(
+            config.engine.engines,
+            model=config.model.path,
+            seed=config.training.seed,
+            args=["--max-batch", str(max_batch)],
+        )
+    else:
+        from dew.serving.fleet import EngineFleet
+
+        engine = EngineFleet(list(config.engine.urls))
+    stack.callback(engine.close)
+    return engine

@@ -1,0 +1,139 @@
+"""dew train's config: every field checked and named, overrides typed, TOML round trip."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from dew.core import SamplingParams
+from dew.job.config import ConfigError, JobConfig, load_config, parse_overrides
+from dew.objectives.rl.config import SchedulerConfig
+
+BASE = """
+[model]
+path = "m"
+[data]
+path = "d.jsonl"
+[[rewards]]
+function = "pkg.mod:fn"
+[sampling]
+max_tokens = 8
+[training]
+steps = 10
+[output]
+run_dir = "r"
+"""
+
+
+def write(tmp_path: Path, text: str = BASE) -> Path:
+    path = tmp_path / "run.toml"
+    path.write_text(text)
+    return path
+
+
+def test_defaults_are_the_librarys_own(tmp_path: Path) -> None:
+    config = load_config(write(tmp_path))
+    assert config.sampling_params() == SamplingParams(max_tokens=8)
+    assert config.scheduler_config() == SchedulerConfig()
+    objective = config.grpo_objective()
+    assert (objective.clip, objective.clip_high, objective.importance_cap) == (0.2, None, 2.0)
+    assert config.data.column == "prompt" and not config.data.chat
+    assert config.engine.kind == "in-process"
+
+
+def test_non_default_values_take_effect(tmp_path: Path) -> None:
+    text = (
+        BASE
+        + """
+[scheduler]
+groups = 16
+ahead = 2
+max_lag = 2
+estimator = "group_std"
+[objective]
+clip_high = 0.28
+"""
+    )
+    text = text.replace('path = "d.jsonl"', 'path = "d.jsonl"\nmessages_column = "msgs"')
+    config = load_config(
+        write(tmp_path, text), ["--sampling.temperature", "0.5", "--training.micro_batches", "4"]
+    )
+    assert config.training.micro_batches == 4
+    assert config.scheduler_config() == SchedulerConfig(
+        groups=16, ahead=2, max_lag=2, estimator="group_std"
+    )
+    assert config.grpo_objective().clip_high == 0.28
+    assert config.grpo_objective().temperature == 0.5  # the sampling temperature
+    assert config.data.column == "msgs" and config.data.chat
+
+
+def test_overrides_keep_their_types_and_reach_any_field(tmp_path: Path) -> None:
+    assert parse_overrides(["--a.b", "2", "--a.c=0.5", "--a.d", "true", "--a.e", "[1, 2]"]) == [
+        ("a.b", 2),
+        ("a.c", 0.5),
+        ("a.d", True),
+        ("a.e", [1, 2]),
+    ]
+    assert parse_overrides(["--a.b", "some/path", "--a.c", "none"]) == [
+        ("a.b", "some/path"),
+        ("a.c", None),
+    ]
+    config = load_config(
+        write(tmp_path),
+        ["--rewards.0.weight", "2", "--sampling.stop_ids", "[3]", "--engine.kind", "fleet"],
+    )
+    assert config.rewards[0].weight == 2.0
+    assert config.sampling_params().stop_ids == (3,)
+    assert config.engine.kind == "fleet"
+    with pytest.raises(ConfigError, match=r"overrides are --section\.field VALUE"):
+        parse_overrides(["--steps", "3"])
+    with pytest.raises(ConfigError, match="missing its value"):
+        parse_overrides(["--training.steps"])
+    with pytest.raises(ConfigError, match=r"rewards\.3 is not an entry"):
+        load_config(write(tmp_path), ["--rewards.3.weight", "2"])
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        (("[training]", "[trainig]"), r"trainig: unknown key \(did you mean training\?\)"),
+        (
+            ("steps = 10", "steps = 10\nstep = 3"),
+            r"training.step: unknown key \(did you mean training.steps\?\)",
+        ),
+        (("steps = 10", 'steps = "10"'), r"training.steps: .*integer.*\(got '10'\)"),
+        (("steps = 10", "steps = 0"), r"training.steps: must be >= 1"),
+        (("steps = 10", "lr = 0.1"), r"training.steps: required, but missing"),
+        (("max_tokens = 8", "max_tokens = 0"), r"sampling.max_tokens: max_tokens must be >= 1"),
+        (("max_tokens = 8", "max_tokens = 8\ntop_p = 2.0"), r"sampling.top_p: top_p must be in"),
+        (('function = "pkg.mod:fn"', 'function = "fn"'), r"rewards.0.function: must be"),
+        (("[output]", '[engine]\nkind = "urls"\n[output]'), r"engine: .*needs urls"),
+        (("[output]", '[engine]\nkind = "gpu"\n[output]'), r"engine.kind: "),
+        (("[output]", "[scheduler]\nahead = 3\n[output]"), r"scheduler.max_lag: max_lag=1 < ahead"),
+        (("[output]", '[scheduler]\nestimator = "best"\n[output]'), r"scheduler.estimator: "),
+        (("[output]", "[objective]\nclip = -1.0\n[output]"), r"objective.clip: "),
+    ],
+)
+def test_every_problem_names_its_field(
+    tmp_path: Path, change: tuple[str, str], message: str
+) -> None:
+    with pytest.raises(ConfigError, match=message):
+        load_config(write(tmp_path, BASE.replace(*change, 1)))
+
+
+def test_a_missing_or_broken_file_is_named(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="no such config file"):
+        load_config(tmp_path / "nope.toml")
+    with pytest.raises(ConfigError, match="not valid TOML"):
+        load_config(write(tmp_path, "[model\n"))
+    with pytest.raises(ConfigError, match=r"rewards: .*at least one"):
+        no_rewards = "rewards = []\n" + BASE.replace('[[rewards]]\nfunction = "pkg.mod:fn"', "")
+        load_config(write(tmp_path, no_rewards))
+
+
+def test_the_resolved_config_round_trips_through_toml(tmp_path: Path) -> None:
+    config = load_config(write(tmp_path), ["--scheduler.oversample", "2", "--sampling.top_k", "5"])
+    again = load_config(write(tmp_path, config.to_toml()))
+    assert again == config
+    assert isinstance(again, JobConfig)

@@ -1,0 +1,205 @@
+"""``dew train`` end to end: a subprocess on a saved model folder, a generated jsonl
+dataset and a reward file in TRL's signature; config errors as one line and exit 2."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from dew.job.cli import main
+from dew.job.run import lr_factor
+
+# TRL's signature. A random model scores 0 on the copy task itself, which gives no
+# update to check; this reward varies within every group from the first step.
+TRL_REWARD = """
+def copy_reward(prompts, completions, completion_ids, answer, **kwargs):
+    assert all(m[-1]["role"] == "user" for m in prompts), prompts
+    assert all(c[0]["role"] == "assistant" for c in completions), completions
+    rows = zip(completion_ids, completions, answer)
+    return [ids[0] / 100 + (c[0]["content"][:3] == a) for ids, c, a in rows]
+"""
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from dew.demo.model import make_model, make_tokenizer
+
+    folder = tmp_path_factory.mktemp("model")
+    make_model("qwen2", "tiny", seed=0, max_positions=64).save_pretrained(folder)
+    make_tokenizer().save_pretrained(folder)
+    return folder
+
+
+def config(tmp_path: Path, model_dir: Path, **extra: str) -> Path:
+    reward = tmp_path / "copy_reward.py"
+    reward.write_text(TRL_REWARD)
+    data = tmp_path / "copy-chat.jsonl"
+    rows = [
+        {"messages": [{"role": "user", "content": d}], "answer": d}
+        for d in ("123", "456", "789", "")
+    ]
+    rows[3]["messages"] = []  # unusable: reported, not trained
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    held_out = tmp_path / "eval.jsonl"
+    held_out.write_text("".join(json.dumps(r) + "\n" for r in rows[:2]))
+    text = f"""
+[model]
+path = "{model_dir}"
+[data]
+path = "{data}"
+messages_column = "messages"
+eval_path = "{held_out}"
+[[rewards]]
+function = "{reward}:copy_reward"
+[sampling]
+max_tokens = 3
+[scheduler]
+groups = 4
+truncation = "score"
+[training]
+steps = 3
+tasks = 2
+lr = 0.01
+warmup_steps = 2
+micro_batches = 2
+eval_every = 2
+eval_samples = 2
+eval_temperature = 1.0
+[output]
+run_dir = "{tmp_path / "run"}"
+checkpoint_every = 3
+export_every = 2
+tensorboard = false
+"""
+    for key, value in extra.items():
+        text = text.replace(key, value)
+    path = tmp_path / "run.toml"
+    path.write_text(text)
+    return path
+
+
+def dew_train(*args: str) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    return subprocess.run(
+        [sys.executable, "-m", "dew.cli", "train", *args, "--no-progress"],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        env=env,
+        check=False,
+    )
+
+
+@pytest.mark.timeout(300)
+def test_dew_train_exports_a_model_transformers_loads(tmp_path: Path, model_dir: Path) -> None:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    done = dew_train(str(config(tmp_path, model_dir)))
+    assert done.returncode == 0, done.stderr[-3000:]
+    run = tmp_path / "run"
+    records = [json.loads(line) for line in (run / "records.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [1, 2, 3]
+    assert json.loads((run / "skipped_rows.json").read_text()) == {
+        "3": "messages must be a non-empty list"
+    }
+    assert (run / "config.toml").read_text().startswith("[model]")
+    assert (run / "export" / "step-2" / "config.json").is_file()  # export_every = 2
+
+    start = AutoModelForCausalLM.from_pretrained(model_dir)
+    trained = AutoModelForCausalLM.from_pretrained(run / "export")
+    changed = [
+        name
+        for name, p in trained.state_dict().items()
+        if not torch.equal(p, start.state_dict()[name])
+    ]
+    assert len(changed) > len(start.state_dict()) // 2, changed
+    original, exported = (
+        AutoTokenizer.from_pretrained(model_dir),
+        AutoTokenizer.from_pretrained(run / "export"),
+    )
+    chat = [{"role": "user", "content": "123"}, {"role": "assistant", "content": "123"}]
+    assert exported.apply_chat_template(chat, tokenize=False) == original.apply_chat_template(
+        chat, tokenize=False
+    )
+    text = exported.apply_chat_template(chat, tokenize=False)
+    assert exported(text)["input_ids"] == original(text)["input_ids"]
+
+    evals = [json.loads(line) for line in (run / "eval.jsonl").read_text().splitlines()]
+    assert [(e["step"], e["rows"], e["samples"], e["errors"]) for e in evals] == [
+        (2, 2, 2, 0),
+        (3, 2, 2, 0),
+    ]
+    assert all(0 <= e["pass@2"] <= 1 and e["reward/mean"] > 0 for e in evals)  # ids[0] / 100 > 0
+    from dew.plot import plot_run
+
+    assert plot_run(run).stat().st_size > 0
+
+    # Resume: on to step 5 from the checkpoint of step 3.
+    more = dew_train(str(tmp_path / "run.toml"), "--resume", "--training.steps", "5")
+    assert more.returncode == 0, more.stderr[-3000:]
+    records = [json.loads(line) for line in (run / "records.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [1, 2, 3, 4, 5]
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        (("[training]", "[training]\nbatch = 3"), "training.batch: unknown key"),
+        (("steps = 3", 'steps = "3"'), "training.steps: "),
+        (
+            ("copy_reward.py:copy_reward", "copy_reward.py:nope"),
+            "rewards.0.function: .*has no 'nope'",
+        ),
+        (("copy_reward.py:", "missing.py:"), "rewards.0.function: .*missing.py: no such file"),
+        (
+            ('messages_column = "messages"', 'messages_column = "chat"'),
+            "data.messages_column: 'chat' is not a column",
+        ),
+        (
+            ("[model]\npath = ", "[model]\npath = 'nowhere' #"),
+            "model.path: nowhere is not a model folder",
+        ),
+    ],
+)
+def test_config_errors_are_one_line_exit_2_and_leave_no_run_folder(
+    tmp_path: Path,
+    model_dir: Path,
+    capsys: pytest.CaptureFixture[str],
+    change: tuple[str, str],
+    message: str,
+) -> None:
+    path = config(tmp_path, model_dir, **{change[0]: change[1]})
+    assert main([str(path), "--no-progress"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("dew train: error: "), err
+    import re
+
+    assert re.search(message, err[0]), err[0]
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_reward_file_that_fails_to_import(
+    tmp_path: Path, model_dir: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    broken = tmp_path / "broken.py"
+    broken.write_text("raise RuntimeError('no GPU here')\n")
+    path = config(tmp_path, model_dir, **{"copy_reward.py:": "broken.py:"})
+    assert main([str(path)]) == 2
+    err = capsys.readouterr().err
+    assert "rewards.0.function: " in err and "RuntimeError: no GPU here" in err
+    assert not (tmp_path / "run").exists()
+
+
+def test_lr_schedule() -> None:
+    warm = [lr_factor(s, steps=10, warmup=4, schedule="constant") for s in range(6)]
+    assert warm == [0.25, 0.5, 0.75, 1.0, 1.0, 1.0]
+    linear = [lr_factor(s, steps=6, warmup=2, schedule="linear") for s in range(6)]
+    assert linear == [0.5, 1.0, 1.0, 0.75, 0.5, 0.25]
+    cosine = [lr_factor(s, steps=4, warmup=0, schedule="cosine") for s in range(4)]
+    assert cosine == pytest.approx([1.0, 0.8535534, 0.5, 0.1464466])
