@@ -60,6 +60,9 @@ clip_high = 0.28
         write(tmp_path, text), ["--sampling.temperature", "0.5", "--training.micro_batches", "4"]
     )
     assert config.training.micro_batches == 4
+    assert config.grpo_objective(reference=object()).kl_coef == 0.0
+    kl = load_config(write(tmp_path, text), ["--objective.kl_coef", "0.1"])
+    assert kl.grpo_objective(reference=object()).kl_coef == 0.1
     assert config.scheduler_config() == SchedulerConfig(
         groups=16, ahead=2, max_lag=2, estimator="group_std"
     )

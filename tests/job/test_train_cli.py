@@ -62,6 +62,8 @@ max_tokens = 3
 [scheduler]
 groups = 4
 truncation = "score"
+[objective]
+kl_coef = 0.05
 [training]
 steps = 3
 tasks = 2
@@ -105,6 +107,8 @@ def test_dew_train_exports_a_model_transformers_loads(tmp_path: Path, model_dir:
     run = tmp_path / "run"
     records = [json.loads(line) for line in (run / "records.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == [1, 2, 3]
+    assert all(r["metrics"]["kl_reference"] >= 0 for r in records)  # objective.kl_coef
+    assert records[-1]["metrics"]["kl_reference"] > 0  # it moved away from the start
     assert json.loads((run / "skipped_rows.json").read_text()) == {
         "3": "messages must be a non-empty list"
     }

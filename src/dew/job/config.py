@@ -7,7 +7,7 @@ A config has these sections (each a table; ``[[rewards]]`` an array of tables)::
     [[rewards]]  function ("pkg.mod:fn" or "path/to/file.py:fn"), weight
     [sampling]   the fields of dew.core.SamplingParams
     [scheduler]  the knobs of dew.objectives.rl.SchedulerConfig
-    [objective]  clip, clip_high, importance_cap of GRPOObjective
+    [objective]  clip, clip_high, importance_cap, kl_coef of GRPOObjective
     [training]   steps, tasks, lr, warmup_steps, schedule, max_grad_norm,
                  micro_batches, seed, ...
     [engine]     kind ("in-process", "fleet", "urls"), engines, urls
@@ -213,7 +213,7 @@ def _from_signature(fn: Any, name: str, skip: Sequence[str] = ()) -> type[_Secti
 
 # The objective's temperature is the sampling temperature (the log-probs' own).
 ObjectiveSection = _from_signature(
-    GRPOObjective.__init__, "ObjectiveSection", skip=("temperature",)
+    GRPOObjective.__init__, "ObjectiveSection", skip=("temperature", "reference")
 )
 SchedulerSection = create_model(
     "SchedulerSection",
@@ -261,9 +261,11 @@ class JobConfig(_Section):
     def scheduler_config(self) -> SchedulerConfig:
         return SchedulerConfig(**self.scheduler.model_dump())  # type: ignore[attr-defined]
 
-    def grpo_objective(self) -> GRPOObjective:
+    def grpo_objective(self, reference: Any = None) -> GRPOObjective:
+        """The objective; ``reference``: the frozen model of ``objective.kl_coef``."""
         temperature = self.sampling.temperature or 1.0  # type: ignore[attr-defined]
-        return GRPOObjective(temperature=temperature, **self.objective.model_dump())  # type: ignore[attr-defined]
+        knobs = self.objective.model_dump()  # type: ignore[attr-defined]
+        return GRPOObjective(temperature=temperature, reference=reference, **knobs)
 
     def to_toml(self) -> str:
         """The resolved config as TOML (what ``--print-config`` prints and the run
@@ -304,7 +306,8 @@ def check(raw: Mapping[str, Any], where: str = "config") -> JobConfig:
     for section, build in (
         ("sampling", config.sampling_params),
         ("scheduler", config.scheduler_config),
-        ("objective", config.grpo_objective),
+        # Its values only: the run's reference model is loaded later.
+        ("objective", lambda: config.grpo_objective(reference=_NO_MODEL_YET)),
     ):
         try:
             build()  # the dataclass's own checks
@@ -312,6 +315,9 @@ def check(raw: Mapping[str, Any], where: str = "config") -> JobConfig:
             name = str(exc).split("=", 1)[0].split(" ", 1)[0]
             raise ConfigError(f"{where}: {section}.{name}: {exc}") from None
     return config
+
+
+_NO_MODEL_YET = object()
 
 
 def parse_overrides(args: Sequence[str]) -> list[tuple[str, Any]]:

@@ -15,6 +15,7 @@ each is closed by one ExitStack in the reverse order of its making.
 
 from __future__ import annotations
 
+import copy
 import json
 import math
 from contextlib import ExitStack
@@ -132,7 +133,11 @@ def train(prepared: Prepared, *, resume: bool = False, progress: bool = True) ->
     optimizer = torch.optim.AdamW(
         model.parameters(), lr=config.training.lr, weight_decay=config.training.weight_decay
     )
-    objective = config.grpo_objective()
+    reference = None
+    if config.objective.kl_coef > 0:  # type: ignore[attr-defined]
+        # The starting weights, frozen (on resume too: the checkpoint loads into `model`).
+        reference = copy.deepcopy(model).eval().requires_grad_(False)
+    objective = config.grpo_objective(reference)
     dataset = Dataset(
         {"task_id": np.arange(len(rows))},
         batch_size=config.training.tasks,

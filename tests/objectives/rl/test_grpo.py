@@ -15,6 +15,7 @@ from dew.objectives.rl.grpo import (
     chain_attention,
     decoupled_ppo_loss,
     mismatch_kl,
+    reference_kl,
 )
 
 ARCHS = ["qwen2", "llama"]
@@ -386,6 +387,56 @@ def test_mismatch_kl_zero_iff_equal() -> None:
     assert mismatch_kl(proximal, far, trained) == 0.0
 
 
+def test_reference_kl_zero_iff_equal_and_masked() -> None:
+    gen = torch.Generator().manual_seed(0)
+    logp = -torch.rand(3, 10, generator=gen) * 3
+    mask = (torch.rand(3, 10, generator=gen) > 0.3).float()
+    assert torch.equal(reference_kl(logp, logp.clone(), mask), torch.zeros(3, 10))
+    ref = logp + 0.3 * torch.randn(3, 10, generator=gen)
+    kl = reference_kl(logp, ref, mask)
+    d = ref - logp
+    expected = torch.where(mask > 0, d.exp() - d - 1, torch.zeros_like(d))
+    assert torch.allclose(kl, expected) and bool((kl[mask > 0] > 0).all())
+
+
+def test_kl_to_a_reference_adds_its_term_and_pulls_toward_it() -> None:
+    with pytest.raises(ValueError, match=r"kl_coef > 0 needs a reference model"):
+        GRPOObjective(kl_coef=0.1)
+    model = sharp_model("qwen2", seed=0)
+    other = sharp_model("qwen2", seed=1)
+    batch = loss_batch(model)
+    plain = GRPOObjective()
+    loss0, m0 = plain.loss(model, batch)
+    # The reference is the model itself: the term and its metric are 0.
+    same = GRPOObjective(kl_coef=0.5, reference=sharp_model("qwen2", seed=0))
+    loss1, m1 = same.loss(model, batch)
+    assert float(loss1.detach()) == pytest.approx(float(loss0.detach()))
+    assert m1["kl_reference"] == 0.0
+    # Another reference: the loss grows by kl_coef x the masked KL over the batch area.
+    far = GRPOObjective(kl_coef=0.5, reference=other)
+    loss2, m2 = far.loss(model, batch)
+    with torch.no_grad():
+        logp = plain.packed_log_probs(model, batch)
+        ref = plain.packed_log_probs(other, batch)
+    mask = torch.from_numpy(batch["loss_mask"]).float()
+    kl = reference_kl(logp, ref, mask) * mask
+    expected = float(loss0.detach()) + 0.5 * float(kl.sum()) / mask.numel()
+    assert float(loss2.detach()) == pytest.approx(expected, rel=1e-5)
+    assert m2["kl_reference"] == pytest.approx(float(kl.sum() / (mask > 0).sum()), rel=1e-5)
+    assert "kl_reference" not in m0 and "kl_coef=0.5" in repr(far)
+    # A gradient step on the KL term alone lowers it: it pulls toward the reference.
+    model.zero_grad()
+    (loss2 - loss0.detach()).backward()
+    with torch.no_grad():  # a small step along the normalized gradient: first order holds
+        norm = torch.sqrt(sum((p.grad**2).sum() for p in model.parameters() if p.grad is not None))
+        for p in model.parameters():
+            if p.grad is not None:
+                p -= 1e-3 * p.grad / norm
+        after = reference_kl(plain.packed_log_probs(model, batch), ref, mask) * mask
+    assert float(after.sum()) < float(kl.sum())
+    assert all(p.grad is None for p in other.parameters())  # the reference stays frozen
+
+
 # --------------------------------------------------------------------------- loss on a model
 
 
@@ -529,6 +580,8 @@ def test_metrics_report_mismatch_importance_and_clipping() -> None:
         ({"importance_cap": 0.5}, "importance_cap"),
         ({"temperature": 0.0}, "temperature"),
         ({"temperature": -1.0}, "temperature"),
+        ({"kl_coef": -0.1}, "kl_coef"),
+        ({"kl_coef": float("nan")}, "kl_coef"),
     ],
 )
 def test_constructor_rejects_bad_parameters(kwargs: dict[str, float], name: str) -> None:

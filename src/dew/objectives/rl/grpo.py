@@ -55,6 +55,7 @@ __all__ = [
     "chain_attention",
     "decoupled_ppo_loss",
     "mismatch_kl",
+    "reference_kl",
     "support_log_normalizer",
     "token_log_probs",
 ]
@@ -77,6 +78,19 @@ def mismatch_kl(
     log_r = torch.where(trained, proximal - behavior, torch.zeros_like(proximal))  # [rows, width]
     k3 = torch.exp(log_r) - 1.0 - log_r  # [rows, width], >= 0
     return k3.sum() / trained.sum().clamp(min=1)
+
+
+def reference_kl(logp: torch.Tensor, reference: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Per-token k3 estimate of KL(current || reference) -> [rows, width], 0 off ``mask``.
+
+    ``logp`` [rows, width] current log-probs (differentiable), ``reference`` [rows,
+    width] a frozen model's, ``mask`` [rows, width] float loss mask. ``exp(d) - d - 1``
+    with ``d = reference - logp``: never negative, 0 exactly where the two agree, and
+    its gradient pulls the current policy toward the reference (DeepSeekMath's GRPO).
+    """
+    trained = mask > 0
+    d = torch.where(trained, reference - logp, torch.zeros_like(logp))  # [rows, width]
+    return torch.exp(d) - d - 1.0  # [rows, width]
 
 
 def decoupled_ppo_loss(
@@ -148,7 +162,9 @@ class GRPOObjective:
     given, from above (``1 + clip``); ``clip_high`` alone widens the upper side
     (asymmetric, "clip-higher"). ``importance_cap`` truncates the behavior weight.
     ``temperature`` must be the sampling temperature, so trainer log-probs describe
-    the same distribution the engine drew from.
+    the same distribution the engine drew from. ``kl_coef`` (0: off) adds that many
+    times :func:`reference_kl` against the frozen ``reference`` model to every trained
+    token's loss (metric ``kl_reference``: its mean over trained tokens).
     """
 
     def __init__(
@@ -158,6 +174,8 @@ class GRPOObjective:
         clip_high: float | None = None,
         importance_cap: float = 2.0,
         temperature: float = 1.0,
+        kl_coef: float = 0.0,
+        reference: torch.nn.Module | None = None,
     ) -> None:
         self.clip = _positive("clip", clip)
         self.clip_high = None if clip_high is None else _positive("clip_high", clip_high)
@@ -166,11 +184,19 @@ class GRPOObjective:
             raise ValueError(f"importance_cap must be a finite number >= 1, got {importance_cap!r}")
         self.importance_cap = float(importance_cap)
         self.temperature = _positive("temperature", temperature)
+        kl_ok = isinstance(kl_coef, (int, float)) and math.isfinite(kl_coef) and kl_coef >= 0
+        if not kl_ok:
+            raise ValueError(f"kl_coef must be a finite number >= 0, got {kl_coef!r}")
+        if kl_coef > 0 and reference is None:
+            raise ValueError("kl_coef > 0 needs a reference model (reference=...)")
+        self.kl_coef = float(kl_coef)
+        self.reference = reference
 
     def __repr__(self) -> str:
         return (
             f"GRPOObjective(clip={self.clip}, clip_high={self.clip_high}, "
-            f"importance_cap={self.importance_cap}, temperature={self.temperature})"
+            f"importance_cap={self.importance_cap}, temperature={self.temperature}, "
+            f"kl_coef={self.kl_coef})"
         )
 
     def packed_log_probs(
@@ -230,6 +256,14 @@ class GRPOObjective:
             clip_high=self.clip_high,
             cap=self.importance_cap,
         )
+        if self.kl_coef > 0:
+            assert self.reference is not None
+            with torch.no_grad():
+                ref = self.packed_log_probs(self.reference, batch).to(device)  # [rows, width]
+            mask = get("loss_mask")  # [rows, width]
+            kl = reference_kl(logp, ref, mask) * mask  # [rows, width]
+            per_token = per_token + self.kl_coef * kl
+            stats["kl_reference"] = kl.sum() / (mask > 0).sum().clamp(min=1)
         loss = per_token.sum() / normalizer
         names = list(stats)
         values = torch.stack([stats[k].float() for k in names]).tolist()  # one device sync
