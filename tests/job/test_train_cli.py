@@ -207,3 +207,37 @@ def test_lr_schedule() -> None:
     assert linear == [0.5, 1.0, 1.0, 0.75, 0.5, 0.25]
     cosine = [lr_factor(s, steps=4, warmup=0, schedule="cosine") for s in range(4)]
     assert cosine == pytest.approx([1.0, 0.8535534, 0.5, 0.1464466])
+
+
+@pytest.mark.timeout(300)
+# peft 0.21 asks transformers 5 a deprecated question when loading the adapter back.
+@pytest.mark.filterwarnings("ignore:.is_gradient_checkpointing. is deprecated:FutureWarning")
+def test_lora_trains_only_the_adapter_and_exports_merged_and_adapter(
+    tmp_path: Path, model_dir: Path
+) -> None:
+    import peft
+    from transformers import AutoModelForCausalLM
+
+    path = config(
+        tmp_path,
+        model_dir,
+        **{"[model]\n": "[model]\nlora_rank = 4\nlora_alpha = 8.0\n", "lr = 0.01": "lr = 0.05"},
+    )
+    done = dew_train(str(path))
+    assert done.returncode == 0, done.stderr[-3000:]
+    export = tmp_path / "run" / "export"
+    start = AutoModelForCausalLM.from_pretrained(model_dir).state_dict()
+    merged = AutoModelForCausalLM.from_pretrained(export).state_dict()
+    assert merged.keys() == start.keys()
+    changed = {k for k in start if not torch.equal(start[k], merged[k])}
+    # Only the adapted projections moved (the default targets: q, k, v, o).
+    assert changed and all(
+        k.endswith(("q_proj.weight", "k_proj.weight", "v_proj.weight", "o_proj.weight"))
+        for k in changed
+    ), changed
+    assert not any("mlp" in k or "embed" in k or "norm" in k for k in changed)
+    # The adapter alone, loaded onto the base model, gives the merged weights.
+    base = AutoModelForCausalLM.from_pretrained(model_dir)
+    adapted = peft.PeftModel.from_pretrained(base, export / "adapter").merge_and_unload()
+    again = adapted.state_dict()
+    assert all(torch.allclose(again[k], merged[k], atol=1e-6) for k in merged)

@@ -2,7 +2,7 @@
 
 A config has these sections (each a table; ``[[rewards]]`` an array of tables)::
 
-    [model]      path, dtype, gradient_checkpointing
+    [model]      path, dtype, gradient_checkpointing, lora_rank, lora_alpha, ...
     [data]       path, prompt_column | messages_column, eval_path
     [[rewards]]  function ("pkg.mod:fn" or "path/to/file.py:fn"), weight
     [sampling]   the fields of dew.core.SamplingParams
@@ -73,6 +73,25 @@ class ModelSection(_Section):
     path: str
     dtype: Literal["float32", "bfloat16"] = "float32"
     gradient_checkpointing: bool = False
+    # LoRA (the `lora` extra, peft): 0 trains the whole model.
+    lora_rank: int = 0
+    lora_alpha: float = 16.0
+    lora_dropout: float = 0.0
+    lora_targets: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj")  # or "all-linear"
+
+    @field_validator("lora_rank")
+    @classmethod
+    def _rank(cls, value: int) -> int:
+        if value < 0:
+            raise ValueError("must be >= 0 (0: no LoRA)")
+        return value
+
+    @field_validator("lora_dropout")
+    @classmethod
+    def _dropout(cls, value: float) -> float:
+        if not 0 <= value < 1:
+            raise ValueError("must be in [0, 1)")
+        return value
 
 
 class DataSection(_Section):

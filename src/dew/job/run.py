@@ -130,9 +130,6 @@ def train(prepared: Prepared, *, resume: bool = False, progress: bool = True) ->
     groups = knobs.groups
     width = rows.prompt_tokens + sampling.max_tokens
     batch_rows = config.training.tasks * groups
-    optimizer = torch.optim.AdamW(
-        model.parameters(), lr=config.training.lr, weight_decay=config.training.weight_decay
-    )
     reference = None
     if config.objective.kl_coef > 0:  # type: ignore[attr-defined]
         # The starting weights, frozen (on resume too: the checkpoint loads into `model`).
@@ -144,7 +141,26 @@ def train(prepared: Prepared, *, resume: bool = False, progress: bool = True) ->
         seed=config.training.seed,
     )
     with ExitStack() as stack:
-        engine = _engine(config, model, batch_rows * (knobs.ahead + 1), stack)
+        engine = _engine(config, model, batch_rows * (knobs.ahead + 1), stack)  # base copy
+        publisher: Any = engine
+        lora = config.model.lora_rank > 0
+        if lora:
+            from dew.job import lora as lora_
+
+            m = config.model
+            model = lora_.wrap(
+                model,
+                rank=m.lora_rank,
+                alpha=m.lora_alpha,
+                dropout=m.lora_dropout,
+                targets=m.lora_targets,
+            )
+            publisher = lora_.MergedPublisher(engine)  # engines serve the merged weights
+        optimizer = torch.optim.AdamW(
+            [p for p in model.parameters() if p.requires_grad],
+            lr=config.training.lr,
+            weight_decay=config.training.weight_decay,
+        )
         source = PromptSource(
             engine,
             rows.prompts(),
@@ -155,16 +171,16 @@ def train(prepared: Prepared, *, resume: bool = False, progress: bool = True) ->
         )
         stack.callback(source.close)
         scheduler = RolloutScheduler.from_config(
-            objective, source, engine, knobs, width=width, rows=batch_rows
+            objective, source, publisher, knobs, width=width, rows=batch_rows
         )
         stack.callback(scheduler.close)
         done = _steps_done(run) if resume else 0
         log = [
             _lr_schedule(optimizer, config, done),
-            _exporter(model, tokenizer, run, config.output.export_every),
+            _exporter(model, tokenizer, run, config.output.export_every, config),
         ]
         if prepared.eval_rows is not None:
-            log.append(_evaluator(prepared, run, sampling))
+            log.append(_evaluator(prepared, model, run, sampling))
         if progress:
             from tqdm import tqdm
 
@@ -190,22 +206,28 @@ def train(prepared: Prepared, *, resume: bool = False, progress: bool = True) ->
             config=config.model_dump(mode="json"),
             freeze_gc=True,
         )
-    export(model, tokenizer, run / "export")
+    export(model, tokenizer, run / "export", config)
     return result
 
 
-def export(model: Any, tokenizer: Any, folder: Path) -> None:
-    """``save_pretrained`` of the model and its tokenizer (with its chat template)."""
+def export(model: Any, tokenizer: Any, folder: Path, config: JobConfig) -> None:
+    """``save_pretrained`` of the model and its tokenizer (with its chat template); with
+    LoRA the merged model there and the adapter in ``adapter/``."""
+    if config.model.lora_rank > 0:
+        from dew.job import lora
+
+        lora.export(model, tokenizer, config.model.path, folder)
+        return
     folder.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
 
 
-def _exporter(model: Any, tokenizer: Any, run: Path, every: int | None) -> Any:
+def _exporter(model: Any, tokenizer: Any, run: Path, every: int | None, config: JobConfig) -> Any:
     def maybe(record: Any) -> None:
         step = int(record["step"])
         if every and step % every == 0:
-            export(model, tokenizer, run / "export" / f"step-{step}")
+            export(model, tokenizer, run / "export" / f"step-{step}", config)
 
     return maybe
 
@@ -243,7 +265,7 @@ def _steps_done(run: Path) -> int:
     return 0 if saved is None else step_of(saved) or 0
 
 
-def _evaluator(prepared: Prepared, run: Path, sampling: Any) -> Any:
+def _evaluator(prepared: Prepared, model: Any, run: Path, sampling: Any) -> Any:
     from dew.job.evaluate import evaluate, recorder
 
     config, rows = prepared.config, prepared.eval_rows
@@ -253,7 +275,7 @@ def _evaluator(prepared: Prepared, run: Path, sampling: Any) -> Any:
 
     def now() -> dict[str, Any]:
         return evaluate(
-            prepared.model,
+            model,
             prepared.tokenizer,
             rows,
             verifier,
