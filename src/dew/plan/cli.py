@@ -85,18 +85,55 @@ def _seconds(text: str, gen: float) -> float:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="dew plan", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--preset", default="dapo", choices=sorted(PRESETS))
-    ap.add_argument("--tasks", type=int, default=64, help="tasks per batch")
-    ap.add_argument("--group", type=int, default=8, help="samples per task")
-    ap.add_argument("--T", default="1x", help="trainer seconds per step, or a multiple 'Nx'")
-    ap.add_argument("--policies", default=None, help="';'-separated policies (see above)")
-    ap.add_argument("--steps", type=int, default=12)
-    ap.add_argument("--warmup", type=int, default=3)
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--a", type=float, default=4.5e-3, help="engine seconds per iteration")
-    ap.add_argument("--b", type=float, default=0.04e-3, help="seconds per active sequence")
-    ap.add_argument("--max-active", type=int, default=256)
+    ap = argparse.ArgumentParser(
+        prog="dew plan",
+        description="Predict each scheduling policy's throughput, idle time, lag and "
+        "length bias before spending accelerators, with an event-driven model of one "
+        "shared engine and a trainer.",
+        epilog="examples:\n  dew plan --preset dapo --tasks 64 --group 8 --T 0.5x\n"
+        '  dew plan --preset longcot --tasks 128 --group 16 --T 120 --policies "0;1;2;1,os=4"',
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    ap.add_argument(
+        "--preset",
+        default="dapo",
+        choices=sorted(PRESETS),
+        help="rollout-length distribution fitted to published traces (default: dapo)",
+    )
+    ap.add_argument("--tasks", type=int, default=64, help="tasks per batch (default: 64)")
+    ap.add_argument("--group", type=int, default=8, help="samples per task (default: 8)")
+    ap.add_argument(
+        "--T",
+        default="1x",
+        help="trainer seconds per step; 'Nx' means N times one batch's generation time at "
+        "full engine throughput (default: 1x)",
+    )
+    ap.add_argument(
+        "--policies",
+        default=None,
+        help="';'-separated policies, each ahead[,os=N][,admit=N][,lag=N] (oversample and "
+        "admit also as N%% of the group or the tasks); default: a fixed comparison set",
+    )
+    ap.add_argument("--steps", type=int, default=12, help="steps planned per policy (default: 12)")
+    ap.add_argument(
+        "--warmup", type=int, default=3, help="first steps left out of the figures (default: 3)"
+    )
+    ap.add_argument("--seed", type=int, default=0, help="seed of the sampled lengths")
+    ap.add_argument(
+        "--a", type=float, default=4.5e-3, help="engine seconds per iteration (default: 4.5e-3)"
+    )
+    ap.add_argument(
+        "--b",
+        type=float,
+        default=0.04e-3,
+        help="engine seconds per active sequence per iteration (default: 4e-5)",
+    )
+    ap.add_argument(
+        "--max-active",
+        type=int,
+        default=256,
+        help="sequences the engine runs at once (default: 256)",
+    )
     args = ap.parse_args(argv)
     engine = EngineConfig(args.a, args.b, args.max_active)
     p = preset(args.preset)

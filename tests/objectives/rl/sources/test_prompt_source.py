@@ -198,6 +198,18 @@ def test_dataset_column_prompts(engine: Any) -> None:
         engine, table["prompt"], Recorder(0.0), tokenizer=TOK, sampling=SamplingParams(max_tokens=2)
     ) as source:
         assert list(run_one(source, "1").calls[0].prompt) == TOK("345=")["input_ids"]
+    # The whole table, with the column named (a table without it is refused up front).
+    sampling = SamplingParams(max_tokens=2)
+    with PromptSource(
+        engine, table, Recorder(0.0), tokenizer=TOK, sampling=sampling, column="prompt"
+    ) as source:
+        assert list(run_one(source, "0").calls[0].prompt) == TOK("12=")["input_ids"]
+    with pytest.raises(ValueError, match=r"prompts is a table with columns \['prompt'\]"):
+        PromptSource(engine, table, Recorder(0.0), tokenizer=TOK, sampling=sampling)
+    with pytest.raises(ValueError, match="column='text' is not one of"):
+        PromptSource(engine, table, Recorder(0.0), tokenizer=TOK, sampling=sampling, column="text")
+    with pytest.raises(ValueError, match="column= names a column of a table"):
+        PromptSource(engine, ["1="], Recorder(0.0), tokenizer=TOK, sampling=sampling, column="x")
 
 
 def test_bad_task_ids_and_configuration(engine: Any) -> None:

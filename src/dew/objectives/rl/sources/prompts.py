@@ -105,7 +105,11 @@ def task_index(task: Task, key: RolloutKey, size: int) -> int:
 
 
 class PromptSource(ThreadedSource):
-    """Single-turn rollouts from ``prompts`` scored by ``verifier`` (see module docstring)."""
+    """Single-turn rollouts from ``prompts`` scored by ``verifier`` (see module docstring).
+
+    ``prompts`` may also be a table (a ``datasets.Dataset``) with ``column`` naming the
+    column of prompts; a table without ``column`` is refused at construction.
+    """
 
     def __init__(
         self,
@@ -117,9 +121,22 @@ class PromptSource(ThreadedSource):
         tokenizer: Any = None,
         chat_template: bool = False,
         workers: int = 8,
+        column: str | None = None,
     ) -> None:
         if not hasattr(prompts, "__getitem__") or not hasattr(prompts, "__len__"):
             raise ValueError(f"prompts must be a sequence, got {type(prompts).__name__}")
+        names = getattr(prompts, "column_names", None)  # a table: a datasets.Dataset
+        if names is not None:
+            if column is None:
+                raise ValueError(
+                    f"prompts is a table with columns {list(names)}: pass column=NAME, the "
+                    "one that holds the prompts"
+                )
+            if column not in names:
+                raise ValueError(f"column={column!r} is not one of the columns {list(names)}")
+            prompts = prompts[column]
+        elif column is not None:
+            raise ValueError("column= names a column of a table (a datasets.Dataset) of prompts")
         if not callable(verifier):
             raise ValueError("verifier must be callable as verifier(task, completion, call)")
         if chat_template and tokenizer is None:
