@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import json
 import os
+import struct
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -78,6 +80,7 @@ run_dir = "{tmp_path / "run"}"
 checkpoint_every = 3
 export_every = 2
 tensorboard = false
+wandb = true
 """
     for key, value in extra.items():
         text = text.replace(key, value)
@@ -149,6 +152,44 @@ def test_dew_train_exports_a_model_transformers_loads(tmp_path: Path, model_dir:
     assert more.returncode == 0, more.stderr[-3000:]
     records = [json.loads(line) for line in (run / "records.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == [1, 2, 3, 4, 5]
+    # W&B (offline): one run id across the resume, every step logged once, as recorded.
+    logged = wandb_history(run)
+    assert [h["_step"] for h in logged] == [1, 2, 3, 4, 5]
+    assert [h["loss"] for h in logged] == pytest.approx([r["loss"] for r in records])
+    assert len({p.name.rsplit("-", 1)[1] for p in (run / "wandb").glob("offline-run-*")}) == 1
+
+
+def wandb_history(run: Path) -> list[dict[str, Any]]:
+    """The history rows of a run folder's offline W&B runs, oldest first. The ``.wandb``
+    file is a LevelDB-style log (32 KiB blocks; records of a 4-byte checksum, a 2-byte
+    length, a 1-byte type; after a 7-byte ``:W&B`` header) of protobuf ``Record``s."""
+    from wandb.proto import wandb_internal_pb2 as pb2
+
+    rows = []
+    for path in sorted((run / "wandb").glob("offline-run-*/run-*.wandb")):
+        data = path.read_bytes()
+        assert data[:4] == b":W&B"
+        pos, chunks = 7, b""
+        while pos + 7 <= len(data):
+            left = 32768 - pos % 32768
+            length, kind = struct.unpack_from("<HB", data, pos + 4)
+            if left < 7 or (length == 0 and kind == 0):
+                pos += left  # the rest of the block is padding
+                continue
+            chunks += data[pos + 7 : pos + 7 + length]
+            pos += 7 + length
+            if kind in (1, 4):  # a whole record, or the last part of one
+                record = pb2.Record()
+                record.ParseFromString(chunks)
+                chunks = b""
+                if record.WhichOneof("record_type") == "history":
+                    rows.append(
+                        {
+                            (i.key or "/".join(i.nested_key)): json.loads(i.value_json)
+                            for i in record.history.item
+                        }
+                    )
+    return rows
 
 
 @pytest.mark.parametrize(

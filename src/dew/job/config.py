@@ -11,7 +11,7 @@ A config has these sections (each a table; ``[[rewards]]`` an array of tables)::
     [training]   steps, tasks, lr, warmup_steps, schedule, max_grad_norm,
                  micro_batches, seed, ...
     [engine]     kind ("in-process", "fleet", "urls"), engines, urls
-    [output]     run_dir, checkpoint_every, keep, export_every, tensorboard
+    [output]     run_dir, checkpoint_every, keep, export_every, tensorboard, wandb, ...
 
 The sampling, scheduler and objective sections are built from the library's own
 types (fields, annotations and defaults), so each default is written once, there, and
@@ -191,6 +191,9 @@ class OutputSection(_Section):
     keep: int = _FIT["keep"]
     export_every: int | None = None  # save_pretrained folders; one at the end always
     tensorboard: bool = _FIT["tensorboard"]
+    wandb: bool = False  # the wandb extra; a W&B run per run folder
+    wandb_project: str = "dew"
+    wandb_mode: Literal["offline", "online"] = "offline"
 
 
 def _from_dataclass(cls: type, name: str, skip: Sequence[str] = ()) -> type[_Section]:

@@ -181,6 +181,18 @@ def train(prepared: Prepared, *, resume: bool = False, progress: bool = True) ->
         ]
         if prepared.eval_rows is not None:
             log.append(_evaluator(prepared, model, run, sampling))
+        if config.output.wandb:
+            from dew.job._wandb import WandbSink
+
+            out = config.output
+            sink = WandbSink(
+                run,
+                project=out.wandb_project,
+                mode=out.wandb_mode,
+                config=config.model_dump(mode="json"),
+            )
+            stack.callback(sink.close)
+            log.append(sink)
         if progress:
             from tqdm import tqdm
 
