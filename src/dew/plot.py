@@ -74,12 +74,7 @@ def plot_run(run_dir: str | os.PathLike[str], out: str | os.PathLike[str] | None
     path = run / "records.jsonl"
     if not path.is_file():
         raise FileNotFoundError(f"{path}: no records to plot (is {run} a dew run folder?)")
-    records = []
-    for line in path.read_text().splitlines():
-        try:
-            records.append(json.loads(line))
-        except ValueError:
-            break  # a torn last line from a killed writer
+    records = _read_jsonl(path)
     target = Path(out) if out is not None else run / "plot.png"
     fig, axes = plt.subplots(len(SERIES), 1, figsize=(8, 2.4 * len(SERIES)), sharex=True)
     window = max(1, len(records) // 20)
@@ -112,13 +107,18 @@ def _evaluations(ax: Any, path: Path) -> None:
     """The evaluations of ``dew train`` (``eval.jsonl``), as points on the reward axis."""
     if not path.is_file():
         return
-    evals = []
-    for line in path.read_text().splitlines():
-        try:
-            evals.append(json.loads(line))
-        except ValueError:
-            break  # a torn last line from a killed writer
+    evals = _read_jsonl(path)
     steps = [e["step"] for e in evals]
     ax.plot(steps, [e["reward/mean"] for e in evals], "o-", markersize=4, label="eval reward")
     for key in sorted({k for e in evals for k in e if k.startswith("pass@")}):
         ax.plot(steps, [e.get(key) for e in evals], "s--", markersize=4, label=f"eval {key}")
+
+
+def _read_jsonl(path: Path) -> list[dict[str, Any]]:
+    rows = []
+    for line in path.read_text().splitlines():
+        try:
+            rows.append(json.loads(line))
+        except ValueError:
+            break  # a torn last line from a killed writer
+    return rows

@@ -76,25 +76,22 @@ def prepare(config: JobConfig) -> Prepared:
     if max_len < 2:
         raise ConfigError(f"model.path: {path}'s config has no max_position_embeddings")
     max_tokens = config.sampling.max_tokens  # type: ignore[attr-defined]
-    rows = load_rows(
-        config.data.path,
-        column=config.data.column,
-        chat=config.data.chat,
-        tokenizer=tokenizer,
-        max_len=max_len,
-        max_tokens=max_tokens,
-    )
-    eval_rows = None
-    if config.data.eval_path is not None:
-        eval_rows = load_rows(
-            config.data.eval_path,
-            column=config.data.column,
-            chat=config.data.chat,
+
+    def rows_of(path: str, field: str) -> Rows:
+        data = config.data
+        return load_rows(
+            path,
+            column=data.column,
+            chat=data.chat,
             tokenizer=tokenizer,
             max_len=max_len,
             max_tokens=max_tokens,
-            field="data.eval_path",
+            field=field,
         )
+
+    rows = rows_of(config.data.path, "data.path")
+    eval_path = config.data.eval_path
+    eval_rows = None if eval_path is None else rows_of(eval_path, "data.eval_path")
     return Prepared(config, model, tokenizer, rows, rewards, eval_rows)
 
 

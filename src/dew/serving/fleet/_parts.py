@@ -89,20 +89,27 @@ class Local:
         ``grace`` seconds; only this pid."""
         proc = self.proc
         if proc is not None:
-            if proc.poll() is None:
-                for sig in (signal.SIGTERM, signal.SIGCONT):
-                    with contextlib.suppress(ProcessLookupError):
-                        os.kill(proc.pid, sig)
-                try:
-                    proc.wait(grace)
-                except subprocess.TimeoutExpired:
-                    with contextlib.suppress(ProcessLookupError):
-                        os.kill(proc.pid, signal.SIGKILL)
-                    proc.wait()
+            terminate(proc, grace)
             if proc.stdout is not None:
                 proc.stdout.close()
         if self.stderr is not None:
             self.stderr.close()
+
+
+def terminate(proc: subprocess.Popen[bytes], grace: float) -> None:
+    """SIGTERM (and SIGCONT, so a stopped process can take it) to ``proc``'s pid, then
+    SIGKILL after ``grace`` seconds; returns once it exited."""
+    if proc.poll() is not None:
+        return
+    for sig in (signal.SIGTERM, signal.SIGCONT):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(proc.pid, sig)
+    try:
+        proc.wait(grace)
+    except subprocess.TimeoutExpired:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(proc.pid, signal.SIGKILL)
+        proc.wait()
 
 
 @dataclass(eq=False)

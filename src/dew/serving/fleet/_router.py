@@ -16,8 +16,6 @@ publish lock or from a take-out; its httpx client is thread-safe.
 from __future__ import annotations
 
 import contextlib
-import os
-import signal
 import socket
 import subprocess
 import sys
@@ -29,6 +27,7 @@ from typing import IO, Any
 import httpx
 
 from dew.core import EngineError
+from dew.serving.fleet._parts import terminate
 
 POLICIES = ("cache_aware", "round_robin", "random", "power_of_two")
 
@@ -143,16 +142,8 @@ class RouterProcess:
 
     def stop(self, grace: float) -> None:
         """SIGTERM, then SIGKILL after ``grace`` seconds; only this pid."""
-        proc = self.proc
-        if proc is not None and proc.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(proc.pid, signal.SIGTERM)
-            try:
-                proc.wait(grace)
-            except subprocess.TimeoutExpired:
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(proc.pid, signal.SIGKILL)
-                proc.wait()
+        if self.proc is not None:
+            terminate(self.proc, grace)
         if self._log is not None:
             self._log.close()
 
