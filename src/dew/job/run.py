@@ -194,7 +194,13 @@ def train(prepared: Prepared, *, resume: bool = False, progress: bool = True) ->
             from tqdm import tqdm
 
             bar = stack.enter_context(
-                tqdm(total=config.training.steps, desc="dew train", unit="step", dynamic_ncols=True)
+                tqdm(
+                    total=config.training.steps,
+                    initial=done,  # a resumed run's bar starts where its checkpoint is
+                    desc="dew train",
+                    unit="step",
+                    dynamic_ncols=True,
+                )
             )
             log.append(lambda record: _tick(bar, record))
         result = fit(
