@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import time
 import traceback
 from collections.abc import Callable, Iterator
@@ -30,8 +33,15 @@ def model() -> torch.nn.Module:
 
 @pytest.fixture
 def make(
-    model: torch.nn.Module, source: ScriptedSource, publisher: RecordingPublisher
+    model: torch.nn.Module,
+    source: ScriptedSource,
+    publisher: RecordingPublisher,
+    trainer: Callable[..., Any],
 ) -> Iterator[Callable[..., RolloutScheduler]]:
+    # Asks for `trainer` so it is torn down after this: the schedulers made here are
+    # closed first, which ends any trainer call still blocked in them, and only then is
+    # the trainer's thread joined. The other way round, a test failing while a trainer
+    # call waits would hang the run in teardown.
     made: list[RolloutScheduler] = []
     records: list[SchedulerRecord] = []
 
@@ -48,6 +58,46 @@ def make(
     yield build
     for s in made:
         s.close()
+
+
+@pytest.mark.skipif(
+    os.environ.get("DEW_SEEDED_FAILURE") != "1",
+    reason="a deliberately failing test, run only by the test below",
+)
+def test_seeded_failure_while_a_trainer_call_waits(make, source, trainer, model) -> None:
+    s = make()
+    stream = Prefetch(s.tasks(task_dataset()).stream(), depth=1)
+    trainer(s, model, next(stream), updates=0)  # blocks: no session ever finishes
+    source.wait_started(1)
+    raise AssertionError("seeded failure")
+
+
+@pytest.mark.timeout(120)
+def test_a_failing_scheduler_test_fails_and_does_not_hang() -> None:
+    """The test above, run on its own: it must be reported failed, with its teardown
+    done, well within its timeout (it used to hang in teardown)."""
+    started = time.monotonic()
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            f"{__file__}::test_seeded_failure_while_a_trainer_call_waits",
+        ],
+        env={**os.environ, "DEW_SEEDED_FAILURE": "1"},
+        capture_output=True,
+        text=True,
+        timeout=100,
+        check=False,
+    )
+    took = time.monotonic() - started
+    assert out.returncode == 1, out.stdout[-3000:]
+    assert "1 failed" in out.stdout and "seeded failure" in out.stdout, out.stdout[-3000:]
+    assert "Timeout" not in out.stdout, out.stdout[-3000:]
+    assert took < 60, took  # its own timeout is 60 s
 
 
 def keys_of(source: ScriptedSource, group: int) -> list[RolloutKey]:
