@@ -17,7 +17,6 @@ from concurrent.futures import Future, wait
 from contextlib import ExitStack
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 
@@ -363,27 +362,18 @@ def test_a_stopped_server_times_out_into_engine_errors() -> None:
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_the_scheduler_trains_the_demo_task_on_an_http_engine(tmp_path: Path) -> None:
-    from dew.data import Dataset
-    from dew.demo.model import make_model, make_tokenizer
-    from dew.demo.run import TASKS, DemoConfig
-    from dew.objectives.rl.grpo import GRPOObjective
-    from dew.objectives.rl.scheduler import RolloutScheduler
+    from dew.demo.run import DemoConfig, build_job
     from dew.train import fit, read_records
 
     steps = 4
     config = DemoConfig.for_task("single", steps=steps, batch_size=2, group_size=8)
-    torch.manual_seed(config.seed)
-    tokenizer = make_tokenizer()
-    model = make_model(config.arch, config.size, seed=config.seed, max_positions=256)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr, weight_decay=0.0)
-    objective = GRPOObjective(temperature=config.temperature, clip_high=config.clip_high)
-    rows = config.batch_size * config.group_size
-    dataset = Dataset({"task_id": np.arange(config.tasks)}, batch_size=config.batch_size, seed=1)
     with ExitStack() as stack:
         server = stack.enter_context(serve("--demo", "tiny", "--max-batch", "64"))
         engine = stack.enter_context(HTTPEngine(server.url, timeout=60))
-        parts = TASKS[config.task](config, engine, tokenizer)
-        stack.callback(parts.close)
+        # The engine is the publisher too: every push goes to the server.
+        job = build_job(config, stack, engine=engine)
+        model, optimizer, dataset = job.model, job.optimizer, job.dataset
+        scheduler, objective = job.scheduler, job.objective
 
         # The server serves the trainer's initial weights (the same demo config and
         # seed) as version 0: its log-probs are the trainer's forward pass.
@@ -392,19 +382,6 @@ def test_the_scheduler_trains_the_demo_task_on_an_http_engine(tmp_path: Path) ->
         assert call.log_probs == pytest.approx(
             _reference_log_probs(model, call, 1.0, None, None)[0], abs=2e-4
         )
-        scheduler = RolloutScheduler(
-            objective,
-            parts.source,
-            engine,  # the engine is the publisher too: every push goes to the server
-            width=parts.max_chain,
-            rows=rows,
-            groups=config.group_size,
-            ahead=config.ahead,
-            max_lag=config.max_lag,
-            truncation=config.truncation,
-            estimator=config.estimator,
-        )
-        stack.callback(scheduler.close)
         result = fit(
             model,
             optimizer,

@@ -23,13 +23,14 @@ import dataclasses
 import json
 import os
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from dew._checkpoint import step_of
+from dew._progress import progress_bar
 from dew.objectives.rl.config import SchedulerConfig
 from dew.train import FitResult, latest_checkpoint, read_records
 
@@ -285,26 +286,6 @@ def _default_run_dir() -> Path:
     return Path("runs") / time.strftime("demo-%Y%m%d-%H%M%S")
 
 
-def _progress(total: int, initial: int) -> tuple[Callable[[Mapping[str, Any]], None], Any]:
-    from tqdm import tqdm
-
-    bar = tqdm(total=total, initial=initial, desc="dew demo", unit="step", dynamic_ncols=True)
-
-    def update(record: Mapping[str, Any]) -> None:
-        sched = record.get("scheduler", {})
-        reward = sched.get("metrics", {}).get("reward/mean", float("nan"))
-        bar.set_postfix(
-            step=record["step"],
-            reward=f"{reward:.2f}",
-            lag=sched.get("lag", "-"),
-            wait=f"{sched.get('waited', 0.0):.2f}s",
-            refresh=False,
-        )
-        bar.update(1)
-
-    return update, bar
-
-
 def _load_config(run_dir: Path) -> DemoConfig:
     path = run_dir / "config.json"
     if not path.is_file():
@@ -460,7 +441,7 @@ def run_demo(
         saved = latest_checkpoint(own) if resume_from else None
         done = 0 if saved is None else step_of(saved) or 0
         if progress and lead:
-            update, bar = _progress(config.steps, done)
+            update, bar = progress_bar(config.steps, done, "dew demo")
             stack.callback(bar.close)
             log.append(update)
         result = fit(

@@ -32,6 +32,7 @@ import inspect
 import json
 import math
 import tomllib
+import typing
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, Literal
@@ -199,20 +200,13 @@ class OutputSection(_Section):
 def _from_dataclass(cls: type, name: str, skip: Sequence[str] = ()) -> type[_Section]:
     """A section whose fields, types and defaults are the dataclass's own (the
     dataclass's checks run when the section is turned into it)."""
-    fields: dict[str, Any] = {}
-    for f in dataclasses.fields(cls):
-        if f.name in skip:
-            continue
-        kind = f.type if not isinstance(f.type, str) else _resolved(cls, f.name)
-        default = ... if f.default is dataclasses.MISSING else f.default
-        fields[f.name] = (kind, default)
+    hints = typing.get_type_hints(cls)  # the annotations are strings (PEP 563)
+    fields = {
+        f.name: (hints[f.name], ... if f.default is dataclasses.MISSING else f.default)
+        for f in dataclasses.fields(cls)
+        if f.name not in skip
+    }
     return create_model(name, __base__=_Section, **fields)
-
-
-def _resolved(cls: type, field: str) -> Any:
-    import typing
-
-    return typing.get_type_hints(cls)[field]
 
 
 # In a config, a registered estimator or truncation policy is named; a function is a
@@ -222,8 +216,6 @@ SamplingSection = _from_dataclass(SamplingParams, "SamplingSection")
 
 def _from_signature(fn: Any, name: str, skip: Sequence[str] = ()) -> type[_Section]:
     """A section of ``fn``'s keyword arguments, with its annotations and defaults."""
-    import typing
-
     hints = typing.get_type_hints(fn)
     fields = {
         p.name: (hints[p.name], p.default)
@@ -422,7 +414,7 @@ def _message(error: Mapping[str, Any]) -> str:
     if error["type"] == "missing":
         return "required, but missing"
     text = str(error["msg"]).removeprefix("Value error, ")
-    if "input" in error and error["type"] not in ("missing",):
+    if "input" in error:
         text += f" (got {error['input']!r})"
     return text
 

@@ -191,18 +191,12 @@ def train(prepared: Prepared, *, resume: bool = False, progress: bool = True) ->
             stack.callback(sink.close)
             log.append(sink)
         if progress:
-            from tqdm import tqdm
+            from dew._progress import progress_bar
 
-            bar = stack.enter_context(
-                tqdm(
-                    total=config.training.steps,
-                    initial=done,  # a resumed run's bar starts where its checkpoint is
-                    desc="dew train",
-                    unit="step",
-                    dynamic_ncols=True,
-                )
-            )
-            log.append(lambda record: _tick(bar, record))
+            # A resumed run's bar starts where its checkpoint is.
+            update, bar = progress_bar(config.training.steps, done, "dew train")
+            stack.callback(bar.close)
+            log.append(update)
         result = fit(
             model,
             optimizer,
@@ -303,12 +297,6 @@ def _evaluator(prepared: Prepared, model: Any, run: Path, sampling: Any) -> Any:
         )
 
     return recorder(run, now, t.eval_every or t.steps, t.steps)
-
-
-def _tick(bar: Any, record: Any) -> None:
-    reward = record.get("scheduler", {}).get("metrics", {}).get("reward/mean", math.nan)
-    bar.set_postfix(step=record["step"], reward=f"{reward:.3f}", refresh=False)
-    bar.update(1)
 
 
 def _engine(config: JobConfig, model: Any, max_batch: int, stack: ExitStack) -> Any:

@@ -391,7 +391,7 @@ class EngineFleet(Care, Engine):
             member.calls.clear()
         if was == UP:
             log.warning("fleet: %s taken out: %s", member.engine.url, reason)
-            if self._admin is not None:
+            if self._admin is not None and member is not self._front:
                 try:
                     self._admin.remove(member.engine.url)
                 except EngineError as exc:  # the router then finds it unhealthy itself
