@@ -9,6 +9,7 @@ the command that needs them, so ``dew --help`` answers at once.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Callable, Sequence
 
@@ -30,6 +31,7 @@ def _demo(args: argparse.Namespace) -> int:
             "batch_size",
             "max_tokens",
             "engines",
+            "tensor",
         )
         if getattr(args, name) is not None
     }
@@ -46,7 +48,8 @@ def _demo(args: argparse.Namespace) -> int:
         )
     except (DemoError, CheckpointError) as exc:
         raise SystemExit(f"dew demo: error: {exc}") from None
-    print(result.summary())
+    if os.environ.get("RANK", "0") == "0":  # under torchrun: one summary for the job
+        print(result.summary())
     return 0
 
 
@@ -95,6 +98,13 @@ def parser() -> argparse.ArgumentParser:
         default=None,
         help="serve rollouts from a fleet of N local `dew serve` processes (default: one "
         "engine in this process)",
+    )
+    demo.add_argument(
+        "--tensor",
+        type=int,
+        default=None,
+        help="under torchrun: processes that split each layer (tensor parallelism); the "
+        "others form the data axis, along which the model is sharded (default 1)",
     )
     demo.add_argument("--no-progress", action="store_true", help="no progress bar")
     demo.set_defaults(run=_demo)

@@ -47,7 +47,9 @@ import math
 import os
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import nullcontext
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -108,19 +110,24 @@ def _jsonable(value: Any) -> Any:
     return value
 
 
-def _resume_path(run_dir: Path | None, resume: bool | str | os.PathLike[str]) -> Path | None:
-    """Which checkpoint to restore: None for a fresh start."""
+def _resume_path(
+    run_dir: Path | None,
+    resume: bool | str | os.PathLike[str],
+    latest: Callable[[Path], Path | None],
+) -> Path | None:
+    """Which checkpoint to restore: None for a fresh start. ``latest(checkpoints folder)``
+    finds the newest valid one."""
     if resume is False:
         return None
     if resume is True:
         if run_dir is None:
             raise ValueError("resume=True needs run_dir (where the checkpoints are)")
-        return latest_checkpoint(run_dir)  # None: nothing saved yet, start fresh
+        return latest(run_dir / "checkpoints")  # None: nothing saved yet, start fresh
     path = Path(resume)
     if not path.exists():
         raise CheckpointError(f"resume={str(path)!r}: no such run or checkpoint folder")
     if (path / "checkpoints").is_dir():  # a run folder
-        found = latest_checkpoint(path)
+        found = latest(path / "checkpoints")
         if found is None:
             raise CheckpointError(f"{path / 'checkpoints'}: no complete checkpoint to resume")
         return found
@@ -179,6 +186,38 @@ def _backward(
     return total, weighted
 
 
+def _clip_grad_norm(model: Any, max_norm: float) -> float:
+    """Scale the gradients so their global 2-norm is at most ``max_norm``; returns the norm.
+
+    As ``torch.nn.utils.clip_grad_norm_``, but for gradients on several device meshes
+    too (a model split along a tensor axis holds DTensors on the 2-D mesh beside
+    replicated ones on the data axis, which torch's version refuses to mix): the norm
+    is taken per mesh, in parameter order (the same collectives on every process), and
+    the parts are combined.
+    """
+    import torch
+    from torch.distributed.tensor import DTensor
+
+    groups: dict[int, list[torch.Tensor]] = {}  # id(mesh) (0: plain tensors) -> grads
+    for p in model.parameters():
+        if p.grad is not None:
+            mesh = p.grad.device_mesh if isinstance(p.grad, DTensor) else None
+            groups.setdefault(id(mesh) if mesh is not None else 0, []).append(p.grad)
+    if not groups:
+        return 0.0
+    squares = []
+    for grads in groups.values():
+        norm = torch.nn.utils.get_total_norm(grads, 2.0)
+        if isinstance(norm, DTensor):
+            norm = norm.full_tensor()
+        squares.append(norm.float().cpu() ** 2)
+    total = torch.stack(squares).sum().sqrt()  # []
+    coef = float(torch.clamp(max_norm / (total + 1e-6), max=1.0))
+    for grads in groups.values():
+        torch._foreach_mul_(grads, coef)
+    return float(total)
+
+
 def _slices(rows: int, parts: int) -> list[tuple[int, int]]:
     edges = [round(i * rows / parts) for i in range(parts + 1)]
     return [(a, b) for a, b in itertools.pairwise(edges) if b > a]
@@ -208,6 +247,7 @@ def fit(
     config: Mapping[str, Any] | None = None,
     freeze_gc: bool = False,
     micro_batches: int = 1,
+    pool: Any = None,
 ) -> FitResult:
     """Train until ``steps`` optimizer updates have been taken in total.
 
@@ -235,8 +275,16 @@ def fit(
     returns or raises. The price: cycles among those objects that become garbage
     later wait until then. Its measured effect is in bench/RESULTS.md ("garbage
     collector"); :mod:`dew._collector` has the mechanism.
+
+    ``pool`` (a :class:`dew.pool.Pool`, with the model laid out by
+    :func:`dew.pool.shard_model`): every process of a ``torchrun`` job calls ``fit``
+    with the same arguments and its own share of the data. Checkpoints are then the
+    pool's sharded ones (``torch.distributed.checkpoint``, one folder in ``run_dir``
+    that every process writes, valid only whole), resumed by every process together;
+    rank 0 writes ``run_dir/records.jsonl`` and TensorBoard, rank ``r`` its records
+    in ``run_dir/rank<r>/``. A process that dies inside a step makes every other one
+    raise :class:`dew.pool.PoolError` naming it.
     """
-    import torch
 
     if not isinstance(steps, int) or steps < 0:
         raise ValueError(f"steps={steps!r} must be an int >= 0")
@@ -259,6 +307,9 @@ def fit(
         raise ValueError(f"max_grad_norm={max_grad_norm!r} must be None or > 0")
     run = None if run_dir is None else Path(run_dir)
     folder = None if run is None else run / "checkpoints"
+    rank = 0 if pool is None else pool.rank
+    own = run if run is None or rank == 0 else run / f"rank{rank}"  # this process's records
+    guard: Callable[[str], Any] = (lambda what: nullcontext()) if pool is None else pool.collective
 
     if resume is False and folder is not None and _checkpoint.checkpoints(folder):
         raise ValueError(
@@ -268,26 +319,37 @@ def fit(
 
     # 1. Restore.
     updates, position, records = 0, 0, []
-    source = _resume_path(run, resume)
+    if pool is None:
+        source = _resume_path(run, resume, _checkpoint.latest)
+    else:
+        from dew.pool import _checkpoint as sharded
+
+        source = _resume_path(run, resume, lambda f: sharded.latest(f, pool))
     if source is not None:
-        ckpt = _checkpoint.load(source, model=model, optimizer=optimizer)
-        if folder is not None and source.parent.resolve() == folder.resolve():
+        if pool is None:
+            ckpt = _checkpoint.load(source, model=model, optimizer=optimizer)
+        else:
+            ckpt = sharded.load(source, model=model, optimizer=optimizer, pool=pool)
+        same = folder is not None and source.parent.resolve() == folder.resolve()
+        if same and rank == 0:
+            assert folder is not None
             _set_aside_newer(folder, ckpt.updates)
         updates, position, records = ckpt.updates, ckpt.position, ckpt.records
         _restore_history(rollout, records)
         logger.info("resumed from %s at update %d, data position %d", source, updates, position)
     sinks: list[Sink] = []
-    if run is not None:
-        run.mkdir(parents=True, exist_ok=True)
-        sinks.append(JsonlSink(run / "records.jsonl", records))
-        if tensorboard and (tb := tensorboard_sink(run / "tensorboard")) is not None:
+    if run is not None and own is not None:
+        own.mkdir(parents=True, exist_ok=True)
+        sinks.append(JsonlSink(own / "records.jsonl", records))
+        if tensorboard and rank == 0 and (tb := tensorboard_sink(run / "tensorboard")):
             sinks.append(tb)
     result = FitResult(updates=updates, position=position, records=records, resumed_from=source)
 
     def checkpoint() -> None:
         if folder is None:
             return
-        result.checkpoint = _checkpoint.save(
+        save = _checkpoint.save if pool is None else partial(sharded.save, pool=pool)
+        result.checkpoint = save(
             folder,
             model=model,
             optimizer=optimizer,
@@ -310,15 +372,16 @@ def fit(
             t0 = time.monotonic()
             batch = next(reader)
             seen = len(_history(rollout))
-            packed = rollout(model, batch, updates=updates)
+            with guard("rollout call"):  # a pool's push and rescoring are collectives
+                packed = rollout(model, batch, updates=updates)
             t1 = time.monotonic()
             optimizer.zero_grad(set_to_none=True)
-            loss, metrics = _backward(objective, model, packed, micro_batches)
-            grad_norm = None
-            if max_grad_norm is not None:
-                norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)
-                grad_norm = float(norm)
-            optimizer.step()
+            with guard("training step"):  # a sharded model's gathers and reductions
+                loss, metrics = _backward(objective, model, packed, micro_batches)
+                grad_norm = None
+                if max_grad_norm is not None:
+                    grad_norm = _clip_grad_norm(model, max_grad_norm)
+                optimizer.step()
             t2 = time.monotonic()
 
             # 4. Record it.

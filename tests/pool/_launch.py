@@ -176,3 +176,28 @@ def direct(n: int, config: dict[str, Any], out: Path, *, timeout: float = 120.0)
                 os.killpg(p.pid, signal.SIGKILL)
                 p.wait(timeout=30)
         del store
+
+
+def single(config: dict[str, Any], out: Path, *, timeout: float = 120.0) -> dict[str, Any]:
+    """The worker as one plain process without a pool (``single``); its report."""
+    path = _config(out, {**config, "single": True})
+    with _log(out, "log-single.txt") as log:
+        proc = subprocess.Popen(
+            [sys.executable, str(WORKER), str(path)],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env=_env({}),
+            start_new_session=True,
+        )
+    try:
+        proc.wait(timeout=timeout)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=30)
+    report = out / "single.json"
+    if not report.exists():
+        log = (out / "log-single.txt").read_text()
+        raise AssertionError(f"the single process wrote no report:\n{log}")
+    return json.loads(report.read_text())

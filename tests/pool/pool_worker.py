@@ -1,11 +1,17 @@
 """One process of a pool test: ``python pool_worker.py CONFIG.json`` under torchrun.
 
-It trains the tiny demo model with ``dew.train.fit`` through a real RolloutScheduler
-and GRPOObjective on a scripted in-process source, joined to the pool with
-``dew.pool``, and writes what it saw to ``<out>/rank<r>.json``: pushes (call and
-version), a digest of each packed batch, the loss normalizer, whether the proximal
-log-probs equal a fresh rescoring, scheduler log calls and rollouts started. On any
-failure it writes the error text there too and exits with code 3.
+It trains the tiny demo model, sharded on the pool's mesh (FSDP2 along data, tensor
+parallelism along tensor), with ``dew.train.fit`` through a real RolloutScheduler and
+GRPOObjective on a scripted in-process source, and writes what it saw to
+``<out>/rank<r>.json``: pushes (call, version and a digest of the whole weights the
+engine got), a digest of each packed batch, the loss per step, whether the proximal
+log-probs equal a fresh rescoring, the sizes of the local shards, scheduler log calls
+and rollouts started. On any failure it writes the error text there too and exits
+with code 3. With ``single`` it runs without a pool, on the whole global batch: the
+reference the pool's losses are compared with.
+
+Rollouts depend on the task, sample and attempt only (not on the process), so a pool
+and a single process see the same rollouts for the same tasks.
 
 Failure injection (config ``fail``: ``{"rank", "kind", "at_version"}``): once the
 served version reaches ``at_version`` the source of that rank raises (``raise``),
@@ -37,13 +43,12 @@ from dew.objectives.rl.grpo import GRPOObjective
 from dew.objectives.rl.scheduler import RolloutScheduler, SchedulerRecord
 from dew.pool import (
     Pool,
-    PoolError,
-    agreed_checkpoint,
-    all_reduce_gradients,
-    assert_synchronized,
-    average_gradients,
+    full_state_dict,
     init_pool,
+    local_numel,
+    optimizer_tensors,
     scheduler_hooks,
+    shard_model,
 )
 from dew.train import fit
 
@@ -51,15 +56,26 @@ VOCAB = 90  # token ids drawn below this (the demo vocabulary is ~100)
 
 
 class Engine:
-    """Stands in for a serving engine: it only remembers the served version."""
+    """Stands in for a serving engine: it remembers the served version and a digest of
+    the whole weights it was given (a sharded model's must arrive gathered)."""
 
     def __init__(self) -> None:
         self.version = 0
         self.loads: list[int] = []
+        self.weights: list[str] = []
 
     def load(self, variables: Any, version: int) -> None:
+        state = variables.state_dict() if isinstance(variables, torch.nn.Module) else variables
+        for name, t in state.items():
+            if type(t) is not torch.Tensor:
+                raise TypeError(f"the engine got {name} as a {type(t).__name__}, not whole")
+        self.weights.append(weights_digest(state))
         self.version = version
         self.loads.append(version)
+
+
+def weights_digest(state: Any) -> str:
+    return digest({n: t.detach().float().numpy() for n, t in state.items()})
 
 
 class ScriptedSource(ThreadedSource):
@@ -93,7 +109,7 @@ class ScriptedSource(ThreadedSource):
                 os.kill(os.getpid(), signal.SIGKILL)
             if kind == "hang":
                 stop.wait(120.0)  # until the scheduler's timeout cancels it
-        rng = np.random.default_rng([self.rank, int(task.id), key.sample, key.attempt])
+        rng = np.random.default_rng([int(task.id), key.sample, key.attempt])
         prompt = [5 + int(task.id) % 80, 7, 9]
         n = int(rng.integers(2, 6))
         completion = rng.integers(5, VOCAB, n).tolist()
@@ -102,6 +118,21 @@ class ScriptedSource(ThreadedSource):
         return Rollout(
             key=key, task=task, status=Status.COMPLETED, calls=[call], reward=float(rng.random())
         )
+
+
+def optimizer_digest(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> str:
+    """A digest of the optimizer's whole state, by parameter name (gathered on a pool)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+    options = StateDictOptions(full_state_dict=True)
+    state = get_optimizer_state_dict(model, optimizer, options=options)["state"]
+    return digest(
+        {
+            f"{name}/{key}": torch.as_tensor(value).detach().float().numpy()
+            for name, entries in state.items()
+            for key, value in entries.items()
+        }
+    )
 
 
 def digest(batch: dict[str, np.ndarray]) -> str:
@@ -166,32 +197,43 @@ def main(config: dict[str, Any]) -> int:
     out_dir = Path(config["out"])
     out: dict[str, Any] = {
         "calls": [],
-        "synchronized": [],
+        "losses": [],
         "params": [],
         "logged": 0,
         "pid": os.getpid(),
     }
-    rank = int(os.environ["RANK"])
+    single = bool(config.get("single"))
+    rank = 0 if single else int(os.environ["RANK"])
     (out_dir / f"pid{rank}").write_text(str(os.getpid()))
     pool: Pool | None = None
     code = 0
     try:
-        pool = init_pool(
-            "gloo",
-            timeout=config.get("pg_timeout", 30.0),
-            agree_timeout=config.get("agree_timeout", 10.0),
-            readers_per_share=config.get("readers_per_share", 1),
-        )
-        out.update(rank=pool.rank, world=pool.world, share=pool.share, reader=pool.reader)
         torch.manual_seed(0)
         model = make_model("qwen2", "tiny", seed=0)
+        total_params = sum(p.numel() for p in model.parameters())
+        tasks_per_share = config.get("tasks_per_share", 2)
+        rows = config.get("rows", 4)
+        if single:  # the reference: one process, the pool's whole batch
+            shares = config["shares"]
+            rows *= shares
+        else:
+            pool = init_pool(
+                "gloo",
+                tensor=config.get("tensor", 1),
+                timeout=config.get("pg_timeout", 30.0),
+                agree_timeout=config.get("agree_timeout", 10.0),
+            )
+            shares = pool.shares
+            out.update(rank=pool.rank, world=pool.world, share=pool.share, reader=pool.reader)
+            shard_model(model, pool)
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
         objective = GRPOObjective()
         engine = Engine()
-        source = ScriptedSource(engine, pool.rank, config.get("fail"), out_dir)
-        tasks_per_share = config.get("tasks_per_share", 2)
+        source = ScriptedSource(engine, rank, config.get("fail"), out_dir)
         dataset = Dataset(
-            {"task_id": np.arange(64)}, batch_size=tasks_per_share * pool.shares, seed=1
+            {"task_id": np.arange(64)},
+            batch_size=config.get("global_tasks", tasks_per_share * shares),
+            seed=1,
         )
 
         def log(record: SchedulerRecord) -> None:
@@ -210,79 +252,61 @@ def main(config: dict[str, Any]) -> int:
             engine,
             knobs,
             width=32,
-            rows=config.get("rows", 4),
+            rows=rows,
             log=log,
-            hooks=scheduler_hooks(pool),
+            hooks=None if pool is None else scheduler_hooks(pool),
         )
-        hooks = average_gradients(model, pool)
 
         def check(record: dict[str, Any]) -> None:
-            assert pool is not None
-            assert_synchronized(model, pool)  # raises PoolError on any divergence
-            out["synchronized"].append(record["step"])
-            out["params"].append(
-                digest({n: p.detach().numpy() for n, p in model.named_parameters()})
-            )
+            out["losses"].append(record["loss"])
+            out["grad_norms"] = [*out.get("grad_norms", []), record.get("grad_norm")]
+            # The whole weights after the step (a collective on a pool: every process).
+            out["params"].append(weights_digest(full_state_dict(model)))
+            out["sizes"] = {
+                "params_total": total_params,
+                "params_local": local_numel(model.parameters()),
+                "optimizer_local": local_numel(optimizer_tensors(optimizer)),
+            }
 
-        run_dir = None
-        resume: bool | Path = False
-        if config.get("run_dir"):
-            run_dir = Path(config["run_dir"]) / f"rank{pool.rank}"
-            if config.get("resume"):
-                resume = agreed_checkpoint(run_dir, pool) or False
+        run_dir = Path(config["run_dir"]) if config.get("run_dir") else None
         try:
             result = fit(
                 model,
                 optimizer,
-                pool.dataset(dataset),
+                dataset if pool is None else pool.dataset(dataset),
                 Checked(scheduler, engine, objective, out, source.fail, out_dir),
                 objective,
                 steps=config.get("steps", 3),
                 run_dir=run_dir,
                 checkpoint_every=config.get("checkpoint_every"),
-                resume=resume,
+                resume=bool(config.get("resume")),
                 log=[check],
                 tensorboard=False,
+                pool=pool,
             )
             out["resumed_from"] = str(result.resumed_from) if result.resumed_from else None
         finally:
-            hooks.remove()
             scheduler.close()
             source.close()
-        if config.get("diverge_check"):
-            # The check must catch a difference: perturb one parameter on the last rank.
-            if pool.rank == pool.world - 1:
-                with torch.no_grad():
-                    next(model.parameters()).view(-1)[0] += 1e-3
-            # Explicit averaging: rank r's gradient is r + 1 everywhere; the mean is known.
-            for p in model.parameters():
-                p.grad = torch.full_like(p, float(pool.rank + 1))
-            all_reduce_gradients(model, pool)
-            mean = (pool.world + 1) / 2
-            out["grad_mean_ok"] = all(bool((p.grad == mean).all()) for p in model.parameters())
-            try:
-                assert_synchronized(model, pool)
-                out["divergence_caught"] = ""
-            except PoolError as exc:
-                out["divergence_caught"] = str(exc)
+        # The whole model and optimizer state at the end (collectives on a pool).
+        out["final_weights"] = weights_digest(full_state_dict(model))
+        out["final_optimizer"] = optimizer_digest(model, optimizer)
         out["pushes"] = list(engine.loads)
         out["engine_loads"] = engine.loads
+        out["engine_weights"] = engine.weights
         out["started"] = source.started
     except Exception as exc:
         out["error"] = f"{type(exc).__name__}: {exc}"
         out["traceback"] = traceback.format_exc()
-        print(f"rank {os.environ.get('RANK')}: {out['error']}", file=sys.stderr, flush=True)
+        print(f"rank {rank}: {out['error']}", file=sys.stderr, flush=True)
         code = 3
     finally:
         if pool is not None:
             pool.close()
-        # Threads of this process still running (Linux): gloo's must be gone with the
-        # group, or they may be torn down with the interpreter and abort it.
-        tasks = Path("/proc/self/task")
-        out["threads_after_close"] = len(list(tasks.iterdir())) if tasks.exists() else None
         out["exit_time"] = time.time()
-        (out_dir / f"rank{rank}.json.tmp").write_text(json.dumps(out))
-        os.replace(out_dir / f"rank{rank}.json.tmp", out_dir / f"rank{rank}.json")
+        name = "single" if single else f"rank{rank}"
+        (out_dir / f"{name}.json.tmp").write_text(json.dumps(out))
+        os.replace(out_dir / f"{name}.json.tmp", out_dir / f"{name}.json")
     return code
 
 

@@ -1,4 +1,4 @@
-"""The bounded agreement rounds of dew._pool_store, driven in one process.
+"""The bounded agreement rounds of dew.pool._store, driven in one process.
 
 Each "rank" is a thread with its own store client; the store runs in this process.
 Every thread is joined with a timeout.
@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 import torch.distributed as dist
 
-from dew._pool_store import Missing, Rounds
+from dew.pool._store import Missing, Rounds
 
 
 @pytest.fixture

@@ -86,6 +86,7 @@ class DemoConfig:
     checkpoint_every: int = 20
     tasks: int = 4096  # rows of the task dataset
     engines: int = 0  # 0: the in-process engine; N: a fleet of N local `dew serve` processes
+    tensor: int = 1  # under torchrun: processes per tensor-parallel group (the rest is data)
 
     def __post_init__(self) -> None:
         if self.task not in TASKS:
@@ -100,6 +101,8 @@ class DemoConfig:
             raise ValueError(f"tasks={self.tasks} must be >= batch_size={self.batch_size}")
         if isinstance(self.engines, bool) or not isinstance(self.engines, int) or self.engines < 0:
             raise ValueError(f"engines={self.engines!r} must be an int >= 0")
+        if isinstance(self.tensor, bool) or not isinstance(self.tensor, int) or self.tensor < 1:
+            raise ValueError(f"tensor={self.tensor!r} must be an int >= 1")
 
     @classmethod
     def for_task(cls, task: str, **overrides: Any) -> DemoConfig:
@@ -257,13 +260,16 @@ TASK_DEFAULTS: dict[str, dict[str, Any]] = {
 }
 
 
-def _join_pool(stack: ExitStack) -> Any:
-    """The torchrun job's pool when this process is one of several, else None."""
+def _join_pool(stack: ExitStack, tensor: int) -> Any:
+    """The torchrun job's pool (``tensor`` processes per tensor group) when this process
+    is one of several, else None."""
     if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+        if tensor > 1:
+            raise DemoError(f"tensor={tensor} needs that many processes: start it with torchrun")
         return None
     from dew.pool import init_pool
 
-    pool = init_pool("gloo")
+    pool = init_pool("gloo", tensor=tensor)
     stack.callback(pool.close)
     return pool
 
@@ -317,7 +323,8 @@ def build_job(
 ) -> DemoJob:
     """Build the model, optimizer, objective, task stream, engine, source and scheduler
     of ``config``; ``stack`` closes the server, the source and the scheduler in reverse
-    order. ``pool`` (a torchrun job's) gives this process its share of every batch.
+    order. ``pool`` (a torchrun job's) gives this process its share of every batch and
+    lays the model out on its mesh (:func:`dew.pool.shard_model`).
     ``task`` replaces the registry's builder for ``config.task`` (bench/vs_trl.py builds
     its two-turn task this way). ``engine``: an Engine and Publisher to run on instead of
     the one ``config`` describes (an HTTPEngine, a fleet made elsewhere); the caller
@@ -335,7 +342,6 @@ def build_job(
     torch.manual_seed(config.seed)
     tokenizer = make_tokenizer()
     model = make_model(config.arch, config.size, seed=config.seed, max_positions=256)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr, weight_decay=0.0)
     objective = GRPOObjective(temperature=config.temperature, clip_high=config.clip_high)
     rows = config.batch_size * config.group_size
     world = 1 if pool is None else pool.world
@@ -367,6 +373,11 @@ def build_job(
         server = RolloutServer(model, max_batch=rows * (config.ahead + 1), seed=config.seed + rank)
     if engine is None:
         stack.callback(server.close)
+    if pool is not None:  # after the engine copied the whole model, before the optimizer
+        from dew.pool import shard_model
+
+        shard_model(model, pool)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr, weight_decay=0.0)
     parts = (task or TASKS[config.task])(config, server, tokenizer)
     stack.callback(parts.close)
     scheduler = RolloutScheduler(
@@ -406,8 +417,6 @@ def run_demo(
     with ExitStack() as stack:
         # Under torchrun every process runs this function; each trains on its own share
         # of every task batch with its own engine and scheduler (see dew.pool).
-        pool = _join_pool(stack)
-        lead = pool is None or pool.rank == 0
         if resume is not None:
             run = Path(resume)
             stored = _load_config(run)
@@ -417,28 +426,26 @@ def run_demo(
         else:
             config = config or DemoConfig.for_task("single")
             run = Path(run_dir) if run_dir is not None else _default_run_dir()
+        pool = _join_pool(stack, config.tensor)
+        lead = pool is None or pool.rank == 0
+        if resume is None:
             if pool is not None:  # one folder for the job: rank 0's name
                 run = Path(pool.exchange("run_dir", str(run))[0])
             if (run / "checkpoints").exists():
                 raise DemoError(f"{run} already holds a run; continue it with --resume {run}")
-        own = run if lead else run / f"rank{pool.rank}"  # type: ignore[union-attr]
-        own.mkdir(parents=True, exist_ok=True)
-        (own / "config.json").write_text(json.dumps(dataclasses.asdict(config), indent=2))
+        if lead:
+            run.mkdir(parents=True, exist_ok=True)
+            (run / "config.json").write_text(json.dumps(dataclasses.asdict(config), indent=2))
 
         _share_cores(torch)
         job = build_job(config, stack, pool=pool)
         model, scheduler = job.model, job.scheduler
         if pool is not None:
-            from dew.pool import agreed_checkpoint, attach, average_gradients
+            from dew.pool import attach
 
             attach(scheduler, pool)
-            stack.callback(average_gradients(model, pool).remove)
         log = []
-        if pool is not None:
-            resume_from: bool | Path = agreed_checkpoint(own, pool) or False
-        else:
-            resume_from = resume is not None
-        saved = latest_checkpoint(own) if resume_from else None
+        saved = latest_checkpoint(run) if resume is not None and lead else None
         done = 0 if saved is None else step_of(saved) or 0
         if progress and lead:
             update, bar = progress_bar(config.steps, done, "dew demo")
@@ -451,20 +458,17 @@ def run_demo(
             scheduler,
             job.objective,
             steps=config.steps,
-            run_dir=own,
+            run_dir=run,
             checkpoint_every=config.checkpoint_every,
-            resume=resume_from,
+            resume=resume is not None,
             log=log,
             config=dataclasses.asdict(config),
             freeze_gc=True,  # a long-lived process with a large set-up heap: see fit's doc
+            pool=pool,
         )
-        if pool is not None:
-            from dew.pool import assert_synchronized
-
-            assert_synchronized(model, pool)  # every process holds the same weights
     drawn = None
     if plot and lead:
         from dew.plot import plot_run
 
         drawn = plot_run(run)
-    return DemoResult(run_dir=own, fit=result, seconds=time.monotonic() - t0, plot=drawn)
+    return DemoResult(run_dir=run, fit=result, seconds=time.monotonic() - t0, plot=drawn)
