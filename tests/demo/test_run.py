@@ -84,3 +84,13 @@ def test_engines_must_be_a_count() -> None:
     for bad in (-1, True, 1.5):
         with pytest.raises(ValueError, match=r"engines=.* must be an int >= 0"):
             DemoConfig(engines=bad)  # type: ignore[arg-type]
+
+
+def test_a_tensor_axis_needs_torchrun(tmp_path: Path) -> None:
+    from dew.demo.run import DemoConfig, DemoError, run_demo
+
+    with pytest.raises(ValueError, match="tensor=0 must be an int >= 1"):
+        DemoConfig(tensor=0)
+    with pytest.raises(DemoError, match="tensor=2 needs that many processes"):
+        run_demo(DemoConfig(steps=1, tensor=2), run_dir=tmp_path / "run", progress=False)
+    assert not (tmp_path / "run").exists()

@@ -282,3 +282,62 @@ def test_lora_trains_only_the_adapter_and_exports_merged_and_adapter(
     adapted = peft.PeftModel.from_pretrained(base, export / "adapter").merge_and_unload()
     again = adapted.state_dict()
     assert all(torch.allclose(again[k], merged[k], atol=1e-6) for k in merged)
+
+
+def dew_train_torchrun(n: int, *args: str) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={n}"]
+    return subprocess.run(
+        [*cmd, "-m", "dew.cli", "train", *args, "--no-progress"],
+        capture_output=True,
+        text=True,
+        timeout=400,
+        env=env,
+        check=False,
+    )
+
+
+def _torchrun_train(tmp_path: Path, model_dir: Path, n: int, tensor: int) -> None:
+    from transformers import AutoModelForCausalLM
+
+    path = config(tmp_path, model_dir, **{"wandb = true": "wandb = false"})
+    path.write_text(path.read_text() + f"[parallel]\ntensor = {tensor}\n")
+    done = dew_train_torchrun(n, str(path))
+    assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
+    run = tmp_path / "run"
+    for folder in [run] + [run / f"rank{r}" for r in range(1, n)]:
+        records = [json.loads(x) for x in (folder / "records.jsonl").read_text().splitlines()]
+        assert [r["step"] for r in records] == [1, 2, 3]
+    manifest = json.loads((run / "checkpoints" / "step-00000003" / "manifest.json").read_text())
+    assert manifest["mesh"] == {"world": n, "data": n // tensor, "tensor": tensor}
+    # The export is the whole model, gathered: transformers loads it, and it trained.
+    start = AutoModelForCausalLM.from_pretrained(model_dir).state_dict()
+    trained = AutoModelForCausalLM.from_pretrained(run / "export").state_dict()
+    changed = [n for n, p in trained.items() if not torch.equal(p, start[n])]
+    assert len(changed) > len(start) // 2, changed
+    assert (run / "export" / "step-2" / "config.json").is_file()
+    evals = [json.loads(line) for line in (run / "eval.jsonl").read_text().splitlines()]
+    assert [e["step"] for e in evals] == [2, 3]
+    more = dew_train_torchrun(n, str(path), "--resume", "--training.steps", "4")
+    assert more.returncode == 0, (more.stdout + more.stderr)[-4000:]
+    records = [json.loads(x) for x in (run / "records.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [1, 2, 3, 4]
+
+
+@pytest.mark.timeout(600)
+def test_dew_train_under_torchrun_shards_the_model(tmp_path: Path, model_dir: Path) -> None:
+    _torchrun_train(tmp_path, model_dir, 2, 1)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_dew_train_under_torchrun_on_data_and_tensor_axes(tmp_path: Path, model_dir: Path) -> None:
+    _torchrun_train(tmp_path, model_dir, 4, 2)
+
+
+def test_dew_train_refuses_a_mesh_without_torchrun(tmp_path: Path, model_dir: Path) -> None:
+    path = config(tmp_path, model_dir)
+    done = dew_train(str(path), "--parallel.tensor", "2")
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert "parallel: data=None, tensor=2 needs that many processes" in done.stderr
+    assert not (tmp_path / "run").exists()

@@ -49,6 +49,7 @@ from pydantic import (
 from dew.core import SamplingParams
 from dew.objectives.rl.config import SchedulerConfig
 from dew.objectives.rl.grpo import GRPOObjective
+from dew.pool import init_pool
 from dew.train import fit
 
 __all__ = ["ConfigError", "JobConfig", "load_config", "parse_overrides"]
@@ -237,6 +238,10 @@ SchedulerSection = create_model(
 )
 
 
+# Under torchrun: the pool's mesh and bounds, as dew.pool.init_pool takes them.
+ParallelSection = _from_signature(init_pool, "ParallelSection")
+
+
 class JobConfig(_Section):
     """A whole ``dew train`` config; :func:`load_config` builds and checks one."""
 
@@ -248,6 +253,7 @@ class JobConfig(_Section):
     objective: ObjectiveSection = ObjectiveSection()  # type: ignore[valid-type]
     training: TrainingSection
     engine: EngineSection = EngineSection()
+    parallel: ParallelSection = ParallelSection()  # type: ignore[valid-type]
     output: OutputSection
 
     @field_validator("rewards")

@@ -96,7 +96,62 @@ def prepare(config: JobConfig) -> Prepared:
 
 
 def train(prepared: Prepared, *, resume: bool = False, progress: bool = True) -> Any:
-    """Train as ``prepared.config`` says; returns :class:`dew.train.FitResult`."""
+    """Train as ``prepared.config`` says; returns :class:`dew.train.FitResult`.
+
+    Under ``torchrun`` every process runs this: the model is sharded on the pool's
+    mesh (``[parallel]``), each process of the data axis reads its share of every
+    step's ``training.tasks``, checkpoints are the pool's sharded ones, and rank 0
+    alone writes the run folder's shared files, the progress bar and the exports.
+    """
+    config = prepared.config
+    run = Path(config.output.run_dir)
+    if (run / "checkpoints").exists() and not resume:
+        raise ConfigError(f"output.run_dir: {run} already holds a run; add --resume")
+    with ExitStack() as stack:
+        pool = _join_pool(config, stack)
+        rank = 0 if pool is None else pool.rank
+        if rank == 0:
+            run.mkdir(parents=True, exist_ok=True)
+            (run / "config.toml").write_text(config.to_toml())
+            if prepared.rows.skipped:
+                skipped = {str(i): why for i, why in prepared.rows.skipped.items()}
+                (run / "skipped_rows.json").write_text(json.dumps(skipped, indent=1))
+        return _train(prepared, run, pool, stack, resume=resume, progress=progress)
+
+
+def _join_pool(config: JobConfig, stack: ExitStack) -> Any:
+    """Under torchrun (``WORLD_SIZE`` > 1): the job's pool, laid out as ``[parallel]`` says."""
+    import os
+
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    parallel = config.parallel.model_dump()  # type: ignore[attr-defined]
+    if world == 1:
+        if parallel["tensor"] > 1 or (parallel["data"] or 1) > 1:
+            raise ConfigError(
+                f"parallel: data={parallel['data']}, tensor={parallel['tensor']} needs that "
+                "many processes: start dew train with torchrun --nproc-per-node N"
+            )
+        return None
+    if config.model.lora_rank > 0:
+        raise ConfigError("model.lora_rank: LoRA is not supported under torchrun yet")
+    from dew.pool import init_pool
+
+    try:
+        pool = init_pool("gloo", **parallel)
+    except ValueError as exc:
+        raise ConfigError(f"parallel: {exc}") from None
+    stack.callback(pool.close)
+    if config.training.tasks % pool.data:
+        raise ConfigError(
+            f"training.tasks: {config.training.tasks} tasks per step do not split evenly "
+            f"over the {pool.data} processes of the data axis"
+        )
+    return pool
+
+
+def _train(
+    prepared: Prepared, run: Path, pool: Any, stack: ExitStack, *, resume: bool, progress: bool
+) -> Any:
     import numpy as np
     import torch
 
@@ -111,22 +166,14 @@ def train(prepared: Prepared, *, resume: bool = False, progress: bool = True) ->
         prepared.tokenizer,
         prepared.rows,
     )
-    run = Path(config.output.run_dir)
-    if (run / "checkpoints").exists() and not resume:
-        raise ConfigError(f"output.run_dir: {run} already holds a run; add --resume")
-    run.mkdir(parents=True, exist_ok=True)
-    (run / "config.toml").write_text(config.to_toml())
-    if rows.skipped:
-        skipped = {str(i): why for i, why in rows.skipped.items()}
-        (run / "skipped_rows.json").write_text(json.dumps(skipped, indent=1))
-
+    rank, shares = (0, 1) if pool is None else (pool.rank, pool.shares)
     torch.manual_seed(config.training.seed)
     sampling = config.sampling_params()
     knobs = config.scheduler_config()
     verifier = combine(prepared.rewards, rows, prompt_column=rows.column, chat=config.data.chat)
     groups = knobs.groups
     width = rows.prompt_tokens + sampling.max_tokens
-    batch_rows = config.training.tasks * groups
+    batch_rows = config.training.tasks // shares * groups  # this process's rows
     reference = None
     if config.objective.kl_coef > 0:  # type: ignore[attr-defined]
         # The starting weights, frozen (on resume too: the checkpoint loads into `model`).
@@ -137,91 +184,110 @@ def train(prepared: Prepared, *, resume: bool = False, progress: bool = True) ->
         batch_size=config.training.tasks,
         seed=config.training.seed,
     )
-    with ExitStack() as stack:
-        engine = _engine(config, model, batch_rows * (knobs.ahead + 1), stack)  # base copy
-        publisher: Any = engine
-        lora = config.model.lora_rank > 0
-        if lora:
-            from dew.job import lora as lora_
+    if pool is not None:
+        dataset = pool.dataset(dataset)
+    engine = _engine(config, model, batch_rows * (knobs.ahead + 1), stack)  # base copy
+    publisher: Any = engine
+    if pool is not None:  # after the engine copied the whole model
+        from dew.pool import shard_model
 
-            m = config.model
-            model = lora_.wrap(
-                model,
-                rank=m.lora_rank,
-                alpha=m.lora_alpha,
-                dropout=m.lora_dropout,
-                targets=m.lora_targets,
-            )
-            publisher = lora_.MergedPublisher(engine)  # engines serve the merged weights
-        optimizer = torch.optim.AdamW(
-            [p for p in model.parameters() if p.requires_grad],
-            lr=config.training.lr,
-            weight_decay=config.training.weight_decay,
-        )
-        source = PromptSource(
-            engine,
-            rows.prompts(),
-            verifier,
-            sampling=sampling,
-            tokenizer=tokenizer,
-            chat_template=config.data.chat,
-        )
-        stack.callback(source.close)
-        scheduler = RolloutScheduler.from_config(
-            objective, source, publisher, knobs, width=width, rows=batch_rows
-        )
-        stack.callback(scheduler.close)
-        done = _steps_done(run) if resume else 0
-        log = [
-            _lr_schedule(optimizer, config, done),
-            _exporter(model, tokenizer, run, config.output.export_every, config),
-        ]
-        if prepared.eval_rows is not None:
-            log.append(_evaluator(prepared, model, run, sampling))
-        if config.output.wandb:
-            from dew.job._wandb import WandbSink
+        shard_model(model, pool)
+    lora = config.model.lora_rank > 0
+    if lora:
+        from dew.job import lora as lora_
 
-            out = config.output
-            sink = WandbSink(
-                run,
-                project=out.wandb_project,
-                mode=out.wandb_mode,
-                config=config.model_dump(mode="json"),
-            )
-            stack.callback(sink.close)
-            log.append(sink)
-        if progress:
-            from dew._progress import progress_bar
-
-            # A resumed run's bar starts where its checkpoint is.
-            update, bar = progress_bar(config.training.steps, done, "dew train")
-            stack.callback(bar.close)
-            log.append(update)
-        result = fit(
+        m = config.model
+        model = lora_.wrap(
             model,
-            optimizer,
-            dataset,
-            scheduler,
-            objective,
-            steps=config.training.steps,
-            run_dir=run,
-            checkpoint_every=config.output.checkpoint_every,
-            keep=config.output.keep,
-            resume=resume,
-            log=log,
-            max_grad_norm=config.training.max_grad_norm,
-            micro_batches=config.training.micro_batches,
-            tensorboard=config.output.tensorboard,
-            config=config.model_dump(mode="json"),
-            freeze_gc=True,
+            rank=m.lora_rank,
+            alpha=m.lora_alpha,
+            dropout=m.lora_dropout,
+            targets=m.lora_targets,
         )
-    export(model, tokenizer, run / "export", config)
+        publisher = lora_.MergedPublisher(engine)  # engines serve the merged weights
+    optimizer = torch.optim.AdamW(
+        [p for p in model.parameters() if p.requires_grad],
+        lr=config.training.lr,
+        weight_decay=config.training.weight_decay,
+    )
+    source = PromptSource(
+        engine,
+        rows.prompts(),
+        verifier,
+        sampling=sampling,
+        tokenizer=tokenizer,
+        chat_template=config.data.chat,
+    )
+    stack.callback(source.close)
+    hooks = None
+    if pool is not None:
+        from dew.pool import scheduler_hooks
+
+        hooks = scheduler_hooks(pool)
+    scheduler = RolloutScheduler.from_config(
+        objective, source, publisher, knobs, width=width, rows=batch_rows, hooks=hooks
+    )
+    stack.callback(scheduler.close)
+    done = _steps_done(run, pool) if resume else 0
+    log = [
+        _lr_schedule(optimizer, config, done),
+        _exporter(model, tokenizer, run, config.output.export_every, config, pool),
+    ]
+    if prepared.eval_rows is not None:
+        # Every process decodes alike (a sharded forward is a collective); rank 0 writes.
+        own = run if rank == 0 else run / f"rank{rank}"
+        log.append(_evaluator(prepared, model, own, sampling))
+    if config.output.wandb and rank == 0:
+        from dew.job._wandb import WandbSink
+
+        out = config.output
+        sink = WandbSink(
+            run,
+            project=out.wandb_project,
+            mode=out.wandb_mode,
+            config=config.model_dump(mode="json"),
+        )
+        stack.callback(sink.close)
+        log.append(sink)
+    if progress and rank == 0:
+        from dew._progress import progress_bar
+
+        # A resumed run's bar starts where its checkpoint is.
+        update, bar = progress_bar(config.training.steps, done, "dew train")
+        stack.callback(bar.close)
+        log.append(update)
+    result = fit(
+        model,
+        optimizer,
+        dataset,
+        scheduler,
+        objective,
+        steps=config.training.steps,
+        run_dir=run,
+        checkpoint_every=config.output.checkpoint_every,
+        keep=config.output.keep,
+        resume=resume,
+        log=log,
+        max_grad_norm=config.training.max_grad_norm,
+        micro_batches=config.training.micro_batches,
+        tensorboard=config.output.tensorboard,
+        config=config.model_dump(mode="json"),
+        freeze_gc=True,
+        pool=pool,
+    )
+    export(model, tokenizer, run / "export", config, pool)
     return result
 
 
-def export(model: Any, tokenizer: Any, folder: Path, config: JobConfig) -> None:
+def export(model: Any, tokenizer: Any, folder: Path, config: JobConfig, pool: Any = None) -> None:
     """``save_pretrained`` of the model and its tokenizer (with its chat template); with
-    LoRA the merged model there and the adapter in ``adapter/``."""
+    LoRA the merged model there and the adapter in ``adapter/``. A sharded model is
+    gathered to rank 0, which writes (every process calls this)."""
+    if pool is not None:
+        from dew.pool import save_pretrained
+
+        save_pretrained(model, folder, pool, tokenizer=tokenizer)
+        return
     if config.model.lora_rank > 0:
         from dew.job import lora
 
@@ -232,11 +298,13 @@ def export(model: Any, tokenizer: Any, folder: Path, config: JobConfig) -> None:
     tokenizer.save_pretrained(folder)
 
 
-def _exporter(model: Any, tokenizer: Any, run: Path, every: int | None, config: JobConfig) -> Any:
+def _exporter(
+    model: Any, tokenizer: Any, run: Path, every: int | None, config: JobConfig, pool: Any
+) -> Any:
     def maybe(record: Any) -> None:
         step = int(record["step"])
         if every and step % every == 0:
-            export(model, tokenizer, run / "export" / f"step-{step}", config)
+            export(model, tokenizer, run / "export" / f"step-{step}", config, pool)
 
     return maybe
 
@@ -266,11 +334,16 @@ def _lr_schedule(optimizer: Any, config: JobConfig, done: int) -> Any:
     return lambda record: apply(int(record["step"]))  # record["step"] updates are done
 
 
-def _steps_done(run: Path) -> int:
+def _steps_done(run: Path, pool: Any) -> int:
     from dew._checkpoint import step_of
     from dew.train import latest_checkpoint
 
-    saved = latest_checkpoint(run)
+    if pool is None:
+        saved = latest_checkpoint(run)
+    else:
+        from dew.pool import latest_checkpoint as latest_sharded
+
+        saved = latest_sharded(run / "checkpoints", pool)
     return 0 if saved is None else step_of(saved) or 0
 
 
