@@ -119,3 +119,25 @@ def test_serve_refuses_a_public_bind_without_a_key_before_loading_anything() -> 
     env_free = python("-c", probe)
     assert env_free.stdout.strip() == "2 []", env_free.stderr
     assert "api key" in env_free.stderr.lower() and "0.0.0.0" in env_free.stderr
+
+
+@pytest.mark.timeout(180)
+def test_demo_errors_are_one_line_exit_2_and_leave_nothing(tmp_path: Path) -> None:
+    def refused(*args: str) -> str:
+        out = python("-m", "dew.cli", "demo", "--no-progress", *args, cwd=tmp_path)
+        lines = out.stderr.strip().splitlines()
+        assert out.returncode == 2, out.stderr
+        assert len(lines) == 1 and lines[0].startswith("dew demo: error: "), out.stderr
+        return lines[0]
+
+    run = tmp_path / "run"
+    assert "size='huge' is not one of" in refused("--size", "huge", "--run-dir", str(run))
+    assert "groups=1: estimator" in refused("--group-size", "1", "--run-dir", str(run))
+    assert not run.exists()  # nothing half-made
+    run.mkdir()
+    (run / "config.json").write_text('{"task": "single", "steps": ')  # garbled
+    assert "config.json: not a readable demo config" in refused("--resume", str(run))
+    (run / "config.json").write_text('{"task": "single", "steps": 2}')
+    (run / "checkpoints").mkdir()  # a resume that finds nothing to resume
+    assert "no checkpoint to resume (the folder is empty)" in refused("--resume", str(run))
+    assert sorted(p.name for p in run.iterdir()) == ["checkpoints", "config.json"]

@@ -44,6 +44,7 @@ __all__ = [
     "checkpoints",
     "latest",
     "load",
+    "prune",
     "save",
     "step_name",
     "step_of",
@@ -198,9 +199,36 @@ def save(
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    for old in checkpoints(folder)[:-keep]:
-        shutil.rmtree(old, ignore_errors=True)
+    prune(folder, final, keep)
     return final
+
+
+def _looks_complete(path: Path) -> bool:
+    """A cheap check (no hashing): the manifest is there and every file it lists has the
+    size it says."""
+    try:
+        files = json.loads((path / MANIFEST).read_text())["files"]
+        return all((path / n).stat().st_size == f["bytes"] for n, f in files.items())
+    except (OSError, ValueError, KeyError, TypeError):
+        return False
+
+
+def prune(folder: Path, newest: Path, keep: int) -> None:
+    """After ``newest`` was published: keep it and the ``keep - 1`` latest complete
+    checkpoints before it; remove the other older ones.
+
+    Only complete-looking checkpoints count toward ``keep``, so a corrupt folder never
+    pushes out a good one, and ``newest`` is never removed. Checkpoints numbered after
+    ``newest`` (another history's) are left for :func:`latest` to judge.
+    """
+    step = step_of(newest)
+    older = [p for p in checkpoints(folder) if (step_of(p) or 0) < (step or 0)]
+    kept = 1
+    for path in reversed(older):
+        if kept < keep and _looks_complete(path):
+            kept += 1
+            continue
+        shutil.rmtree(path, ignore_errors=True)
 
 
 def verify(path: Path) -> None:

@@ -61,10 +61,10 @@ class JsonlSink:
 
 
 class _TensorBoard:
-    def __init__(self, folder: Path) -> None:
+    def __init__(self, folder: Path, purge_step: int | None) -> None:
         from torch.utils.tensorboard import SummaryWriter
 
-        self._writer = SummaryWriter(str(folder))
+        self._writer = SummaryWriter(str(folder), purge_step=purge_step)
 
     def __call__(self, record: Mapping[str, Any]) -> None:
         step = int(record["step"])
@@ -76,8 +76,13 @@ class _TensorBoard:
         self._writer.close()
 
 
-def tensorboard_sink(folder: Path) -> Sink | None:
-    """A TensorBoard writer into ``folder``, or None when ``tensorboard`` is not installed."""
+def tensorboard_sink(folder: Path, *, resumed_at: int = 0) -> Sink | None:
+    """A TensorBoard writer into ``folder``, or None when ``tensorboard`` is not installed.
+
+    ``resumed_at``: the updates of the checkpoint a resumed run starts from. The events
+    an earlier process wrote for later steps (trained again now) are then purged, so
+    TensorBoard shows every step once.
+    """
     if importlib.util.find_spec("tensorboard") is None:
         return None
-    return _TensorBoard(folder)
+    return _TensorBoard(folder, resumed_at + 1 if resumed_at else None)

@@ -37,17 +37,15 @@ def _demo(args: argparse.Namespace) -> int:
     }
     try:
         config = DemoConfig.for_task(args.task, **overrides)
-    except ValueError as exc:
-        raise SystemExit(f"dew demo: error: {exc}") from None
-    try:
         result = run_demo(
             config if args.resume is None or overrides else None,
             run_dir=args.run_dir,
             resume=args.resume,
             progress=not args.no_progress,
         )
-    except (DemoError, CheckpointError) as exc:
-        raise SystemExit(f"dew demo: error: {exc}") from None
+    except (ValueError, DemoError, CheckpointError) as exc:  # a config or run folder at fault
+        print(f"dew demo: error: {exc}", file=sys.stderr)
+        return 2
     if os.environ.get("RANK", "0") == "0":  # under torchrun: one summary for the job
         print(result.summary())
     return 0

@@ -54,7 +54,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from dew import _checkpoint
-from dew._checkpoint import CheckpointError
+from dew._checkpoint import CheckpointError, step_of
 from dew._collector import FreezeAfter
 from dew._sinks import JsonlSink, Sink, tensorboard_sink
 from dew.data import Batch, Dataset, Prefetch
@@ -114,6 +114,7 @@ def _resume_path(
     run_dir: Path | None,
     resume: bool | str | os.PathLike[str],
     latest: Callable[[Path], Path | None],
+    sharded: bool = False,
 ) -> Path | None:
     """Which checkpoint to restore: None for a fresh start. ``latest(checkpoints folder)``
     finds the newest valid one."""
@@ -122,16 +123,45 @@ def _resume_path(
     if resume is True:
         if run_dir is None:
             raise ValueError("resume=True needs run_dir (where the checkpoints are)")
-        return latest(run_dir / "checkpoints")  # None: nothing saved yet, start fresh
+        found = latest(run_dir / "checkpoints")
+        if found is None and _checkpoint.checkpoints(run_dir / "checkpoints"):
+            raise CheckpointError(_nothing_valid(run_dir / "checkpoints", sharded))
+        return found  # None: nothing saved yet, start fresh
     path = Path(resume)
     if not path.exists():
         raise CheckpointError(f"resume={str(path)!r}: no such run or checkpoint folder")
     if (path / "checkpoints").is_dir():  # a run folder
         found = latest(path / "checkpoints")
         if found is None:
-            raise CheckpointError(f"{path / 'checkpoints'}: no complete checkpoint to resume")
+            raise CheckpointError(_nothing_valid(path / "checkpoints", sharded))
         return found
+    if not (path / _checkpoint.MANIFEST).exists() and step_of(path) is None:
+        raise CheckpointError(
+            f"resume={str(path)!r}: holds no checkpoints/ folder and is not a checkpoint; "
+            "nothing to resume (start a new run without resume to begin again)"
+        )
     return path  # a checkpoint folder: verified (strictly) by load
+
+
+def _nothing_valid(folder: Path, sharded: bool) -> str:
+    """Why a resume from ``folder`` is refused: each checkpoint and what is wrong with it
+    (a pool's sharded ones: their names; every process logged why)."""
+    found = _checkpoint.checkpoints(folder)
+    if not found:
+        return f"{folder}: no checkpoint to resume (the folder is empty)"
+    reasons = []
+    for path in found:
+        if sharded:
+            reasons.append(f"{path.name} (the log says why)")
+            continue
+        try:
+            _checkpoint.verify(path)
+        except CheckpointError as exc:
+            reasons.append(str(exc))
+    return (
+        f"{folder}: no valid checkpoint to resume; refused: " + "; ".join(reasons) + " "
+        "(nothing was changed; start a new run to begin again)"
+    )
 
 
 def _restore_history(rollout: Any, records: Sequence[Record]) -> None:
@@ -324,7 +354,7 @@ def fit(
     else:
         from dew.pool import _checkpoint as sharded
 
-        source = _resume_path(run, resume, lambda f: sharded.latest(f, pool))
+        source = _resume_path(run, resume, lambda f: sharded.latest(f, pool), sharded=True)
     if source is not None:
         if pool is None:
             ckpt = _checkpoint.load(source, model=model, optimizer=optimizer)
@@ -341,7 +371,8 @@ def fit(
     if run is not None and own is not None:
         own.mkdir(parents=True, exist_ok=True)
         sinks.append(JsonlSink(own / "records.jsonl", records))
-        if tensorboard and rank == 0 and (tb := tensorboard_sink(run / "tensorboard")):
+        folder_tb = run / "tensorboard"
+        if tensorboard and rank == 0 and (tb := tensorboard_sink(folder_tb, resumed_at=updates)):
             sinks.append(tb)
     result = FitResult(updates=updates, position=position, records=records, resumed_from=source)
 

@@ -327,3 +327,55 @@ def test_micro_batches_give_the_whole_batchs_update(parts: int) -> None:
 
 def parts_of() -> tuple[Any, Any]:
     return parts(0)
+
+
+def test_a_resume_that_finds_no_valid_checkpoint_fails_and_touches_nothing(
+    tmp_path: Path,
+) -> None:
+    run(tmp_path, 4, checkpoint_every=2)
+    for path in (tmp_path / "checkpoints").iterdir():
+        (path / "manifest.json").unlink()  # every checkpoint corrupt
+    before = (tmp_path / "records.jsonl").read_bytes()
+    for resume in (True, tmp_path):
+        with pytest.raises(
+            CheckpointError, match=r"no valid checkpoint to resume; refused: .*step-"
+        ):
+            run(tmp_path, 6, checkpoint_every=2, resume=resume)
+    assert (tmp_path / "records.jsonl").read_bytes() == before
+    for path in (tmp_path / "checkpoints").iterdir():
+        shutil.rmtree(path)
+    with pytest.raises(CheckpointError, match=r"no checkpoint to resume \(the folder is empty"):
+        run(tmp_path, 6, resume=tmp_path)
+    shutil.rmtree(tmp_path / "checkpoints")
+    with pytest.raises(CheckpointError, match="holds no checkpoints/ folder"):
+        run(tmp_path, 6, resume=tmp_path)
+    assert (tmp_path / "records.jsonl").read_bytes() == before
+
+
+def test_pruning_keeps_the_newest_valid_checkpoints(tmp_path: Path) -> None:
+    folder = tmp_path / "checkpoints"
+    run(tmp_path, 2, checkpoint_every=1)  # step-1 and step-2
+    (folder / "step-00000002" / "manifest.json").unlink()  # step-2 is corrupt now
+    newest = folder / "step-00000003"
+    shutil.copytree(folder / "step-00000001", newest)  # a valid step-3 just published
+    _checkpoint.prune(folder, newest, keep=2)
+    # The corrupt one does not count toward keep and goes; the valid older one stays.
+    assert [p.name for p in _checkpoint.checkpoints(folder)] == ["step-00000001", "step-00000003"]
+    # Folders numbered after the newest are another history's: left for latest() to judge.
+    (folder / "step-00000009").mkdir()
+    _checkpoint.prune(folder, newest, keep=1)
+    assert [p.name for p in _checkpoint.checkpoints(folder)] == ["step-00000003", "step-00000009"]
+    assert latest_checkpoint(tmp_path) == newest
+
+
+def test_tensorboard_shows_every_step_once_after_a_resume(tmp_path: Path) -> None:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    run(tmp_path, 3, checkpoint_every=2)  # events for 1..3, checkpoints 2 and 3
+    # As if the process died after step 3's events but before its checkpoint.
+    shutil.rmtree(tmp_path / "checkpoints" / "step-00000003")
+    run(tmp_path, 4, checkpoint_every=2, resume=True)  # trains 3 and 4 again from 2
+    events = EventAccumulator(str(tmp_path / "tensorboard"))
+    events.Reload()
+    steps = [e.step for e in events.Scalars("loss")]
+    assert steps == [1, 2, 3, 4], steps

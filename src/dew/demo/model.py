@@ -42,7 +42,9 @@ def make_tokenizer() -> Any:
     return tok
 
 
-_SIZES = {
+ARCHS = ("qwen2", "llama")
+
+SIZES = {
     # name: (hidden, layers, heads, kv_heads, intermediate)
     "tiny": (64, 2, 4, 2, 128),
     "small": (128, 4, 4, 2, 384),
@@ -57,11 +59,11 @@ def make_model(
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    if size not in _SIZES:
-        raise ValueError(f"size={size!r} is not one of {sorted(_SIZES)}")
-    if arch not in ("qwen2", "llama"):
+    if size not in SIZES:
+        raise ValueError(f"size={size!r} is not one of {sorted(SIZES)}")
+    if arch not in ARCHS:
         raise ValueError(f"arch={arch!r} is not one of ['llama', 'qwen2']")
-    hidden, layers, heads, kv, inter = _SIZES[size]
+    hidden, layers, heads, kv, inter = SIZES[size]
     vocab = len(SPECIAL) + len(CHARS)
     config = AutoConfig.for_model(
         arch,

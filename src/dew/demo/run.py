@@ -29,10 +29,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from dew._checkpoint import step_of
+from dew._checkpoint import checkpoints, step_of
 from dew._progress import progress_bar
 from dew.objectives.rl.config import SchedulerConfig
-from dew.train import FitResult, latest_checkpoint, read_records
+from dew.train import FitResult, read_records
 
 if TYPE_CHECKING:
     import torch
@@ -103,6 +103,20 @@ class DemoConfig:
             raise ValueError(f"engines={self.engines!r} must be an int >= 0")
         if isinstance(self.tensor, bool) or not isinstance(self.tensor, int) or self.tensor < 1:
             raise ValueError(f"tensor={self.tensor!r} must be an int >= 1")
+        from dew.demo.model import ARCHS, SIZES
+
+        if self.size not in SIZES:
+            raise ValueError(f"size={self.size!r} is not one of {sorted(SIZES)}")
+        if self.arch not in ARCHS:
+            raise ValueError(f"arch={self.arch!r} is not one of {sorted(ARCHS)}")
+        # The scheduler's own checks, before anything is built or written.
+        SchedulerConfig(
+            groups=self.group_size,
+            ahead=self.ahead,
+            max_lag=self.max_lag,
+            truncation=self.truncation,
+            estimator=self.estimator,
+        )
 
     @classmethod
     def for_task(cls, task: str, **overrides: Any) -> DemoConfig:
@@ -296,9 +310,12 @@ def _load_config(run_dir: Path) -> DemoConfig:
     path = run_dir / "config.json"
     if not path.is_file():
         raise DemoError(f"{path}: missing; {run_dir} is not a dew demo run folder")
-    stored = json.loads(path.read_text())
-    stored["digits"] = tuple(stored.get("digits", DemoConfig.digits))
-    return DemoConfig(**stored)
+    try:
+        stored = json.loads(path.read_text())
+        stored["digits"] = tuple(stored.get("digits", DemoConfig.digits))
+        return DemoConfig(**stored)
+    except (ValueError, TypeError, AttributeError) as exc:  # garbled, or not a demo's
+        raise DemoError(f"{path}: not a readable demo config ({exc})") from None
 
 
 @dataclass(frozen=True)
@@ -433,20 +450,20 @@ def run_demo(
                 run = Path(pool.exchange("run_dir", str(run))[0])
             if (run / "checkpoints").exists():
                 raise DemoError(f"{run} already holds a run; continue it with --resume {run}")
-        if lead:
-            run.mkdir(parents=True, exist_ok=True)
-            (run / "config.json").write_text(json.dumps(dataclasses.asdict(config), indent=2))
-
         _share_cores(torch)
         job = build_job(config, stack, pool=pool)
         model, scheduler = job.model, job.scheduler
+        if lead:  # only once the job is built: a config that cannot run leaves nothing
+            run.mkdir(parents=True, exist_ok=True)
+            (run / "config.json").write_text(json.dumps(dataclasses.asdict(config), indent=2))
         if pool is not None:
             from dew.pool import attach
 
             attach(scheduler, pool)
         log = []
-        saved = latest_checkpoint(run) if resume is not None and lead else None
-        done = 0 if saved is None else step_of(saved) or 0
+        # Where the bar starts (fit checks the checkpoint itself).
+        saved = checkpoints(run / "checkpoints") if resume is not None else []
+        done = step_of(saved[-1]) or 0 if saved else 0
         if progress and lead:
             update, bar = progress_bar(config.steps, done, "dew demo")
             stack.callback(bar.close)
@@ -460,7 +477,7 @@ def run_demo(
             steps=config.steps,
             run_dir=run,
             checkpoint_every=config.checkpoint_every,
-            resume=resume is not None,
+            resume=False if resume is None else run,  # a resume must find a checkpoint
             log=log,
             config=dataclasses.asdict(config),
             freeze_gc=True,  # a long-lived process with a large set-up heap: see fit's doc

@@ -266,7 +266,7 @@ def _train(
         run_dir=run,
         checkpoint_every=config.output.checkpoint_every,
         keep=config.output.keep,
-        resume=resume,
+        resume=run if resume else False,  # a resume must find a checkpoint
         log=log,
         max_grad_norm=config.training.max_grad_norm,
         micro_batches=config.training.micro_batches,

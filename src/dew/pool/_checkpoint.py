@@ -43,6 +43,7 @@ from dew._checkpoint import (
     _set_rng_json,
     _sha256,
     checkpoints,
+    prune,
     step_name,
 )
 from dew.pool._pool import Pool, PoolError
@@ -157,8 +158,7 @@ def save(
             else:
                 tmp.rename(final)
             _fsync_dir(folder)
-            for older in checkpoints(folder)[:-keep]:
-                shutil.rmtree(older, ignore_errors=True)
+            prune(folder, final, keep)
         except OSError as exc:
             error = f"cannot publish {final}: {exc}"
     _round(pool, "checkpoint-published", {"error": error})

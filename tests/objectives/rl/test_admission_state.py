@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections import Counter
 
+import numpy as np
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import (
@@ -45,6 +46,10 @@ def make_rollout(
     )
 
 
+
+def raw_reward(rewards: np.ndarray, trained: np.ndarray) -> np.ndarray:
+    return rewards
+
 class AdmissionMachine(RuleBasedStateMachine):
     @initialize(
         groups=st.integers(1, 3),
@@ -81,6 +86,8 @@ class AdmissionMachine(RuleBasedStateMachine):
                 max_attempts=max_attempts,
                 timeout=timeout,
                 truncation=truncation,
+                # Admission never computes advantages; a function allows groups of one.
+                estimator=raw_reward,
             )
         )
         self.adm.audit = {}
@@ -278,7 +285,7 @@ def test_a_call_under_a_push_still_in_progress_is_not_from_the_future() -> None:
     # the trainer: between pushing(v) and pushed(v) calls up to v are admitted.
     import pytest
 
-    adm = Admission(SchedulerConfig(groups=1, ahead=0, max_lag=1))
+    adm = Admission(SchedulerConfig(groups=1, ahead=0, max_lag=1, estimator=raw_reward))
     adm.pushed(0)
     adm.register([Task("t")])
     starts = [a for a in adm.call(0, 0.0) if isinstance(a, Start)]

@@ -155,7 +155,7 @@ def test_non_default_knobs_take_effect(source: ScriptedSource, publisher, made) 
 def test_hooks_wrap_the_publisher_and_are_refused_once_the_stream_opened(
     source: ScriptedSource, publisher: RecordingPublisher, made
 ) -> None:
-    s = RolloutScheduler(_Objective(), source, publisher, width=16, rows=2, groups=1)
+    s = RolloutScheduler(_Objective(), source, publisher, width=16, rows=2, groups=2)
     made.append(s)
     assert s.hooks == SchedulerHooks() and s.weights is publisher
 
@@ -243,3 +243,27 @@ def test_estimator_and_truncation_take_a_function_or_a_name() -> None:
         SchedulerConfig(estimator=42)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match=re.escape("truncation=None")):
         SchedulerConfig(truncation=None)  # type: ignore[arg-type]
+
+
+def test_integral_numpy_scalars_are_ints_floats_and_bools_are_not() -> None:
+    import numpy as np
+
+    config = SchedulerConfig(groups=np.int64(4), ahead=np.int32(1), max_lag=np.int64(2))
+    assert (config.groups, config.ahead, config.max_lag) == (4, 1, 2)
+    assert all(type(v) is int for v in (config.groups, config.ahead, config.max_lag))
+    assert check_shape(width=np.int64(16), rows=np.uint8(8)) == (16, 8)
+    for name, value in (("groups", True), ("groups", 4.0), ("ahead", np.float64(1.0))):
+        with pytest.raises(ValueError, match=f"{name}="):
+            SchedulerConfig(**{name: value})
+    with pytest.raises(ValueError, match=r"width=16\.0: must be an int >= 1"):
+        check_shape(width=16.0, rows=8)
+    with pytest.raises(ValueError, match="timeout='5': must be None or > 0 seconds"):
+        SchedulerConfig(timeout="5")  # type: ignore[arg-type]
+
+
+def test_a_group_of_one_is_refused_where_it_can_learn_nothing() -> None:
+    for estimator in ("group", "group_std", "rloo"):
+        with pytest.raises(ValueError, match=r"groups=1: estimator .* a group of one always"):
+            SchedulerConfig(groups=1, estimator=estimator)
+    # A function of the user's own may make sense of one rollout: accepted.
+    assert SchedulerConfig(groups=1, estimator=lambda r, t: r).groups == 1

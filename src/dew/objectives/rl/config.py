@@ -17,6 +17,7 @@ scheduler and has no default. :func:`check_shape` validates it with the same rul
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, NoReturn
@@ -47,7 +48,8 @@ def _refuse(name: str, value: object, rule: str) -> NoReturn:
 
 
 def _is_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
+    """A Python or numpy integer; a bool or an integral float is not one."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
 def _whole(name: str, value: object, least: int) -> None:
@@ -55,10 +57,12 @@ def _whole(name: str, value: object, least: int) -> None:
         _refuse(name, value, f"must be an int >= {least}")
 
 
-def check_shape(*, width: object, rows: object) -> None:
-    """Refuse a packed batch shape that is not two ints >= 1."""
+def check_shape(*, width: object, rows: object) -> tuple[int, int]:
+    """``(width, rows)`` as Python ints; refuses a packed batch shape that is not two
+    ints >= 1."""
     _whole("width", width, 1)
     _whole("rows", rows, 1)
+    return int(width), int(rows)  # type: ignore[call-overload]
 
 
 @dataclass(frozen=True)
@@ -100,6 +104,11 @@ class SchedulerConfig:
             _whole(name, getattr(self, name), 0)
         if self.admit is not None and not (_is_int(self.admit) and self.admit >= 1):
             _refuse("admit", self.admit, "must be None or an int >= 1")
+        for name in ("groups", "oversample", "admit", "max_lag", "ahead", "sync_every"):
+            value = getattr(self, name)  # a numpy integer is kept as the int it is
+            if value is not None:
+                object.__setattr__(self, name, int(value))
+        object.__setattr__(self, "max_attempts", int(self.max_attempts))
         timeout = self.timeout
         if timeout is not None and not (
             isinstance(timeout, (int, float)) and not isinstance(timeout, bool) and timeout > 0
@@ -108,7 +117,18 @@ class SchedulerConfig:
         capacity = self.support_capacity
         if capacity is not None and not (_is_int(capacity) and capacity >= 1):
             _refuse("support_capacity", capacity, "must be None or an int >= 1")
+        if capacity is not None:
+            object.__setattr__(self, "support_capacity", int(capacity))
         advantage_estimator(self.estimator)  # raises naming estimator
+        if self.groups == 1 and isinstance(self.estimator, str):
+            # Every registered estimator scores a rollout against the rest of its group.
+            _refuse(
+                "groups",
+                self.groups,
+                f"estimator {self.estimator!r} scores each rollout against the others of "
+                "its group, so a group of one always has advantage 0 and nothing is "
+                "learned: use groups >= 2 (or pass your own estimator function)",
+            )
         truncation_policy(self.truncation)  # raises naming truncation
         floor = self.lag_floor
         if self.max_lag < floor:

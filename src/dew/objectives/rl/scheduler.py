@@ -180,7 +180,7 @@ class RolloutScheduler:
             truncation=truncation,
             support_capacity=support_capacity,
         )
-        check_shape(width=width, rows=rows)
+        width, rows = check_shape(width=width, rows=rows)
         self._config = config
         self._objective = objective
         self._source = source
