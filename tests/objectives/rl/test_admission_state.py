@@ -46,9 +46,9 @@ def make_rollout(
     )
 
 
-
 def raw_reward(rewards: np.ndarray, trained: np.ndarray) -> np.ndarray:
     return rewards
+
 
 class AdmissionMachine(RuleBasedStateMachine):
     @initialize(
