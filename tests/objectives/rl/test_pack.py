@@ -244,11 +244,21 @@ def test_cut_group_leaves_no_partial_placement():
     np.testing.assert_array_equal(batch["rollout_index"], [[0, 0, 0, 0, -1], [3, 3, 3, 3, 3]])
 
 
-def test_chain_longer_than_width_cuts_its_group():
-    batch, stats = pack([[rollout(0, 0, [call([1, 2, 3], [4, 5, 6])])]], rows=4, width=5)
-    assert stats.packed == () and stats.cut == (0,)
-    assert stats.tokens == 0 and stats.trained_tokens == 0 and stats.padding_share == 1.0
-    assert (batch["segments"] == 0).all() and (batch["versions"] == -1).all()
+def test_a_group_that_can_never_fit_is_a_configuration_error():
+    # A chain wider than a row: every step would cut it, training on padding alone.
+    long = [[rollout(0, 0, [call([1, 2, 3], [4, 5, 6])])]]
+    with pytest.raises(ValueError, match=r"its group can never be packed \(rows=4, width=5\)"):
+        pack(long, rows=4, width=5)
+    with pytest.raises(ValueError, match=r"chains are \[6\] tokens long"):
+        pack(long, rows=4, width=5)
+    # Chains that fit one by one, but a whole group that needs more rows than there are.
+    group = [rollout(0, i, [call([1, 2], [3, 4])]) for i in range(3)]
+    with pytest.raises(ValueError, match=r"rows=2, width=4\).*3 rollouts need 12 tokens"):
+        pack([group], rows=2, width=4)
+    # Beside other groups it is only cut (it could fit alone): the reference's rule.
+    first = [rollout(1, 0, [call([1, 2], [3, 4])])]
+    _, stats = pack([first, group[:2]], rows=2, width=4)
+    assert stats.packed == (0,) and stats.cut == (1,)
 
 
 def test_empty_input():
@@ -295,13 +305,18 @@ def test_support_padding_and_rows():
     np.testing.assert_array_equal(batch["support_offsets"][1], [0, 0, 1, 1, 1, 1, 1, 1, 1])
 
 
-def test_group_whose_support_does_not_fit_is_cut():
+def test_group_whose_support_can_never_fit_is_a_configuration_error():
+    # Its trained tokens carry 6 support ids; one row holds 5.
     plain = [rollout(1, 0, [call([1], [2])])]
-    batch, stats = pack([support_group(), plain], rows=1, width=16, support_capacity=5)
-    assert stats.packed == (1,) and stats.cut == (0,)
-    np.testing.assert_array_equal(batch["tokens"][0, :3], [1, 2, 0])
-    np.testing.assert_array_equal(batch["rollout_index"][0, :3], [3, 3, -1])
-    assert (batch["support"] == -1).all() and (batch["support_offsets"] == 0).all()
+    with pytest.raises(ValueError, match=r"never be packed \(rows=1, width=16, support_capacity=5"):
+        pack([support_group(), plain], rows=1, width=16, support_capacity=5)
+
+
+def test_group_whose_support_does_not_fit_beside_another_is_cut():
+    heavy = [rollout(1, 0, [call([1], [2, 3], support=[[2, 5, 6, 7], [3]])], reward=1.0)]
+    batch, stats = pack([heavy, support_group()], rows=1, width=16, support_capacity=6)
+    assert stats.packed == (0,) and stats.cut == (1,)
+    np.testing.assert_array_equal(batch["tokens"][0, :4], [1, 2, 3, 0])
 
 
 def test_support_without_capacity_is_refused():
@@ -437,6 +452,19 @@ def _chain_key(tokens, trained, log_probs, versions) -> tuple:
 @given(batches_st())
 def test_pack_properties(args):
     groups, rows, width, estimator, truncation = args
+
+    def alone(group: list[Rollout]) -> bool:  # fits into empty rows
+        try:
+            return pack([group], rows=rows, width=width)[1].packed == (0,)
+        except ValueError:
+            return False
+
+    # A group that cannot fit even into empty rows is refused, naming it; the others pack.
+    never = [g for g in groups if not alone(g)]
+    if never:
+        with pytest.raises(ValueError, match="can never be packed"):
+            pack(groups, rows=rows, width=width, estimator=estimator, truncation=truncation)
+        groups = [g for g in groups if alone(g)]
     batch, stats = pack(groups, rows=rows, width=width, estimator=estimator, truncation=truncation)
     for v in batch.values():
         assert v.shape == (rows, width)
@@ -556,6 +584,14 @@ def supported_st(draw):
 @given(supported_st())
 def test_support_properties(args):
     groups, rows, width, cap = args
+
+    def alone(group: list[Rollout]) -> bool:  # fits into empty rows
+        try:
+            return pack([group], rows=rows, width=width, support_capacity=cap)[1].packed == (0,)
+        except ValueError:
+            return False
+
+    groups = [g for g in groups if alone(g)]  # the others are refused (see above)
     batch, stats = pack(groups, rows=rows, width=width, support_capacity=cap)
     sup, off, loss = batch["support"], batch["support_offsets"], batch["loss_mask"]
     assert sup.shape == (rows, cap) and off.shape == (rows, width + 1)

@@ -243,6 +243,24 @@ class _Rows:
         return out
 
 
+def _never_fits(group: Sequence[Rollout], rows: int, width: int, cap: int | None) -> str:
+    """Why ``group`` cannot be packed even into empty rows: its longest chain, its size."""
+    lengths = [
+        [sum(len(run.tokens) for run in runs) for runs in chain_runs(r.calls)] for r in group
+    ]
+    longest = max(range(len(group)), key=lambda i: max(lengths[i], default=0))
+    total = sum(map(sum, lengths))
+    where = f"rows={rows}, width={width}" + ("" if cap is None else f", support_capacity={cap}")
+    return (
+        f"rollout {group[longest].key}: its group can never be packed ({where}): its "
+        f"chains are {lengths[longest]} tokens long (longest of the group: "
+        f"{max(map(max, filter(None, lengths)), default=0)}), and the group's "
+        f"{len(group)} rollouts need {total} tokens in all; every step would cut it. "
+        "Raise width to at least the longest chain (prompt + completion tokens), "
+        "rows so that a whole group fits, or lower the sampling's max_tokens"
+    )
+
+
 def _check_int(name: str, value: object) -> int:
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
         raise ValueError(f"{name} must be a positive int, got {value!r}")
@@ -286,6 +304,8 @@ def pack(
         adv = advantages(estimator, rewards, trained)  # [n]
         got = space.place_group(group, trained, supported, adv, base)
         if got is None:
+            if _Rows(rows, width, cap).place_group(group, trained, supported, adv, base) is None:
+                raise ValueError(_never_fits(group, rows, width, cap))
             cut.append(gi)
         else:
             placed.extend(got)
