@@ -63,6 +63,7 @@ __all__ = [
     "CheckpointError",
     "FitResult",
     "TrainerRollout",
+    "TrainingStalled",
     "fit",
     "latest_checkpoint",
     "read_records",
@@ -74,6 +75,32 @@ logger = logging.getLogger("dew.train")
 _FREEZE_AFTER = 10
 
 Record = dict[str, Any]
+
+
+class TrainingStalled(RuntimeError):
+    """Too many steps in a row trained no token (see ``fit``'s ``max_empty_steps``)."""
+
+
+def _empty_cause(record: Record) -> str:
+    """Why a step trained no token, from its scheduler record, with the knob to turn."""
+    scheduler = record.get("scheduler") or {}
+    metrics = scheduler.get("metrics") or {}
+    tasks = record.get("tasks") or {}
+    if scheduler and scheduler.get("groups", 0) == 0:
+        if tasks.get("abandoned"):  # this batch's groups, whenever they were given up
+            return (
+                f"every group was abandoned ({len(tasks['abandoned'])} after max_attempts "
+                "failed attempts each): the source keeps failing"
+            )
+        if tasks.get("cut"):
+            return "every complete group was cut: rows x width is too small for them"
+        return "no group was admitted"
+    if metrics.get("masked_share", 0.0) >= 1.0:
+        return (
+            "every rollout hit the length limit and truncation='mask' trains none of them: "
+            "raise the sampling's max_tokens or use truncation='score'"
+        )
+    return "its packed batch holds no trained token"
 
 
 class TrainerRollout(Protocol):
@@ -278,6 +305,7 @@ def fit(
     freeze_gc: bool = False,
     micro_batches: int = 1,
     pool: Any = None,
+    max_empty_steps: int | None = 5,
 ) -> FitResult:
     """Train until ``steps`` optimizer updates have been taken in total.
 
@@ -306,6 +334,11 @@ def fit(
     later wait until then. Its measured effect is in bench/RESULTS.md ("garbage
     collector"); :mod:`dew._collector` has the mechanism.
 
+    ``max_empty_steps``: a step that trains no token (every group abandoned, cut, or
+    masked) is logged as a warning the first time, naming why; after this many such
+    steps in a row ``fit`` raises :class:`TrainingStalled` with the cause and the
+    latest failed attempts the rollout reported (``last_errors``). None: never stop.
+
     ``pool`` (a :class:`dew.pool.Pool`, with the model laid out by
     :func:`dew.pool.shard_model`): every process of a ``torchrun`` job calls ``fit``
     with the same arguments and its own share of the data. Checkpoints are then the
@@ -333,6 +366,12 @@ def fit(
         raise ValueError(f"freeze_gc={freeze_gc!r} must be True or False")
     if isinstance(micro_batches, bool) or not isinstance(micro_batches, int) or micro_batches < 1:
         raise ValueError(f"micro_batches={micro_batches!r} must be an int >= 1")
+    if max_empty_steps is not None and (
+        isinstance(max_empty_steps, bool)
+        or not isinstance(max_empty_steps, int)
+        or max_empty_steps < 1
+    ):
+        raise ValueError(f"max_empty_steps={max_empty_steps!r} must be None or an int >= 1")
     if max_grad_norm is not None and not max_grad_norm > 0:
         raise ValueError(f"max_grad_norm={max_grad_norm!r} must be None or > 0")
     run = None if run_dir is None else Path(run_dir)
@@ -394,6 +433,9 @@ def fit(
     # Once the first steps have grown the long-lived heap, it may leave the collector's
     # generations: a full pass over it stalls every thread (see dew._collector).
     warm = FreezeAfter(_FREEZE_AFTER) if freeze_gc else None
+    empty: list[int] = []  # the steps in a row that trained no token
+    errors: list[str] = []  # the latest failed attempts over those steps
+    warned = False
     try:
         # 2. Open the stream where the checkpoint left it.
         tasks = rollout.tasks(dataset) if hasattr(rollout, "tasks") else dataset
@@ -448,6 +490,21 @@ def fit(
             result.updates, result.position = updates, position
             if warm is not None:
                 warm.step()
+            if record.get("trained_tokens", 1) == 0:
+                empty.append(updates)
+                errors = (errors + list(getattr(rollout, "last_errors", ())))[-5:]
+                if not warned:
+                    warned = True
+                    logger.warning("step %d trained no token: %s", updates, _empty_cause(record))
+                if max_empty_steps is not None and len(empty) >= max_empty_steps:
+                    raise TrainingStalled(
+                        f"{len(empty)} steps in a row ({empty[0]}..{empty[-1]}) trained no "
+                        f"token: {_empty_cause(record)}; latest failed attempts: "
+                        + ("; ".join(errors) if errors else "none reported")
+                        + " (fit(max_empty_steps=None) trains on regardless)"
+                    )
+            else:
+                empty, errors = [], []
 
             # 5. Checkpoint.
             if checkpoint_every is not None and updates % checkpoint_every == 0:

@@ -94,3 +94,14 @@ def test_a_tensor_axis_needs_torchrun(tmp_path: Path) -> None:
     with pytest.raises(DemoError, match="tensor=2 needs that many processes"):
         run_demo(DemoConfig(steps=1, tensor=2), run_dir=tmp_path / "run", progress=False)
     assert not (tmp_path / "run").exists()
+
+
+def test_the_demo_bounds_every_rollout_attempt() -> None:
+    from contextlib import ExitStack
+
+    from dew.demo.run import DemoConfig, build_job
+
+    assert DemoConfig().timeout == 120.0  # the library's default (None) never gives up
+    with ExitStack() as stack:
+        job = build_job(DemoConfig(steps=1, timeout=7.5), stack)
+        assert job.scheduler.config.timeout == 7.5

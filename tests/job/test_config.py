@@ -7,7 +7,13 @@ from pathlib import Path
 import pytest
 
 from dew.core import SamplingParams
-from dew.job.config import ConfigError, JobConfig, load_config, parse_overrides
+from dew.job.config import (
+    JOB_ROLLOUT_TIMEOUT,
+    ConfigError,
+    JobConfig,
+    load_config,
+    parse_overrides,
+)
 from dew.objectives.rl.config import SchedulerConfig
 
 BASE = """
@@ -35,7 +41,9 @@ def write(tmp_path: Path, text: str = BASE) -> Path:
 def test_defaults_are_the_librarys_own(tmp_path: Path) -> None:
     config = load_config(write(tmp_path))
     assert config.sampling_params() == SamplingParams(max_tokens=8)
-    assert config.scheduler_config() == SchedulerConfig()
+    # The library's, except that a job bounds every rollout attempt (its one own default).
+    assert config.scheduler_config() == SchedulerConfig(timeout=JOB_ROLLOUT_TIMEOUT)
+    assert SchedulerConfig().timeout is None and JOB_ROLLOUT_TIMEOUT > 0
     objective = config.grpo_objective()
     assert (objective.clip, objective.clip_high, objective.importance_cap) == (0.2, None, 2.0)
     assert config.data.column == "prompt" and not config.data.chat
@@ -64,8 +72,11 @@ clip_high = 0.28
     kl = load_config(write(tmp_path, text), ["--objective.kl_coef", "0.1"])
     assert kl.grpo_objective(reference=object()).kl_coef == 0.1
     assert config.scheduler_config() == SchedulerConfig(
-        groups=16, ahead=2, max_lag=2, estimator="group_std"
+        groups=16, ahead=2, max_lag=2, estimator="group_std", timeout=JOB_ROLLOUT_TIMEOUT
     )
+    # The job's rollout bound takes another value.
+    other = load_config(write(tmp_path, text), ["--scheduler.timeout", "30"])
+    assert other.scheduler_config().timeout == 30.0
     assert config.grpo_objective().clip_high == 0.28
     assert config.grpo_objective().temperature == 0.5  # the sampling temperature
     assert config.data.column == "msgs" and config.data.chat

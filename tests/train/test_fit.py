@@ -16,7 +16,7 @@ from dew import _checkpoint
 from dew.data import Batch, Dataset
 from dew.demo.model import make_model
 from dew.objectives.rl.grpo import GRPOObjective
-from dew.train import CheckpointError, fit, latest_checkpoint, read_records
+from dew.train import CheckpointError, TrainingStalled, fit, latest_checkpoint, read_records
 
 WIDTH = 12
 
@@ -379,3 +379,55 @@ def test_tensorboard_shows_every_step_once_after_a_resume(tmp_path: Path) -> Non
     events.Reload()
     steps = [e.step for e in events.Scalars("loss")]
     assert steps == [1, 2, 3, 4], steps
+
+
+def masked(model: Any, batch: Batch, *, updates: int) -> Batch:
+    """A step whose rollouts all hit the length limit under truncation='mask'."""
+    out = rollout(model, batch, updates=updates)
+    out["loss_mask"] = np.zeros_like(out["loss_mask"])
+    return out
+
+
+def test_steps_that_train_nothing_warn_once_then_stop_the_run(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    model, opt = parts()
+    with pytest.raises(TrainingStalled, match=r"3 steps in a row \(1\.\.3\) trained no token"):
+        fit(model, opt, dataset(), masked, GRPOObjective(), steps=10, max_empty_steps=3)
+    assert caplog.text.count("trained no token") == 1  # warned once, at step 1
+    # None: the run goes on regardless (and still warned once).
+    caplog.clear()
+    result = fit(model, opt, dataset(), masked, GRPOObjective(), steps=6, max_empty_steps=None)
+    assert result.updates == 6 and caplog.text.count("trained no token") == 1
+    with pytest.raises(ValueError, match="max_empty_steps=0 must be None or an int >= 1"):
+        fit(model, opt, dataset(), masked, GRPOObjective(), steps=1, max_empty_steps=0)
+
+
+def test_a_source_that_always_fails_stops_the_run_with_its_errors(tmp_path: Path) -> None:
+    import threading
+
+    from dew.core import Rollout, RolloutKey, Status, Task, ThreadedSource
+    from dew.objectives.rl.scheduler import RolloutScheduler
+
+    class Broken(ThreadedSource):
+        def run(self, task: Task, key: RolloutKey, stop: threading.Event) -> Rollout:
+            return Rollout(key=key, task=task, status=Status.INFRA_ERROR, error="sandbox gone")
+
+    model, opt = parts()
+    objective = GRPOObjective()
+    with (
+        Broken(workers=2) as source,
+        RolloutScheduler(
+            objective, source, _Engine(), width=WIDTH, rows=8, groups=2, max_attempts=2
+        ) as scheduler,
+    ):
+        with pytest.raises(TrainingStalled) as caught:
+            fit(model, opt, dataset(), scheduler, objective, steps=10, max_empty_steps=2)
+    message = str(caught.value)
+    assert "2 steps in a row (1..2) trained no token: every group was abandoned" in message
+    assert "infra_error: sandbox gone" in message  # the source's own words
+
+
+class _Engine:
+    def load(self, variables: Any, version: int) -> None:
+        pass

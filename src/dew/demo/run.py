@@ -87,6 +87,9 @@ class DemoConfig:
     tasks: int = 4096  # rows of the task dataset
     engines: int = 0  # 0: the in-process engine; N: a fleet of N local `dew serve` processes
     tensor: int = 1  # under torchrun: processes per tensor-parallel group (the rest is data)
+    # Seconds a rollout attempt may run before it is cancelled and retried (the library's
+    # default, None, would let a hung source block the trainer forever).
+    timeout: float | None = 120.0
 
     def __post_init__(self) -> None:
         if self.task not in TASKS:
@@ -116,6 +119,7 @@ class DemoConfig:
             max_lag=self.max_lag,
             truncation=self.truncation,
             estimator=self.estimator,
+            timeout=self.timeout,
         )
 
     @classmethod
@@ -408,6 +412,7 @@ def build_job(
         max_lag=config.max_lag,
         truncation=config.truncation,
         estimator=config.estimator,
+        timeout=config.timeout,
     )
     stack.callback(scheduler.close)
     return DemoJob(model, optimizer, objective, dataset, server, scheduler)

@@ -230,11 +230,16 @@ def _from_signature(fn: Any, name: str, skip: Sequence[str] = ()) -> type[_Secti
 ObjectiveSection = _from_signature(
     GRPOObjective.__init__, "ObjectiveSection", skip=("temperature", "reference")
 )
+# A job bounds every rollout attempt, where the library leaves it to the caller (None): a
+# source that hangs, even one that honours its stop event, then costs an attempt, not the
+# run. Seconds from submission (TOML has no null: a very long one lifts the bound).
+JOB_ROLLOUT_TIMEOUT = 600.0
 SchedulerSection = create_model(
     "SchedulerSection",
     __base__=_from_dataclass(SchedulerConfig, "_Knobs", skip=("estimator", "truncation")),
     estimator=(str, SchedulerConfig.estimator),
     truncation=(str, SchedulerConfig.truncation),
+    timeout=(float | None, JOB_ROLLOUT_TIMEOUT),
 )
 
 

@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from enum import Enum
@@ -131,6 +131,9 @@ def _set_state(g: _Group, state: _G) -> None:
     g.state = state
 
 
+_ERRORS_KEPT = 8  # failed attempts remembered between two trainer calls
+
+
 @dataclass
 class Consumed:
     """What a trainer call takes: complete groups in admission order, and the rest."""
@@ -138,6 +141,8 @@ class Consumed:
     groups: list[list[Rollout]]
     abandoned: list[Task]
     dropped: list[Task]
+    # The latest failed attempts (any batch) since the previous consume: what went wrong.
+    errors: list[str] = field(default_factory=list)
 
 
 class Admission:
@@ -163,6 +168,7 @@ class Admission:
         self._running: dict[RolloutKey, tuple[_Group, _Sample]] = {}
         self._deadlines: list[tuple[float, RolloutKey]] = []
         self.closed = False
+        self._errors: deque[str] = deque(maxlen=_ERRORS_KEPT)
         self.reset_counts()
         # Per-key ledger of how each started attempt ended; kept for audits and tests.
         self.audit: dict[RolloutKey, str] | None = None
@@ -364,6 +370,7 @@ class Admission:
         elif status is Status.CANCELLED:
             cause = "cancelled"
         if cause is not None:
+            self._errors.append(f"{key}: {cause}" + (f": {rollout.error}" if rollout.error else ""))
             self._end(key, f"failed:{cause}")
             self._fail(g, s, cause, now, actions)
             return actions
@@ -393,6 +400,7 @@ class Admission:
             if entry is None:
                 continue
             g, s = entry
+            self._errors.append(f"{key}: timeout: still running {self.config.timeout:g} s in")
             self._stop(g, s, "failed:timeout", actions)
             self._count_failure(s, "timeout")
             touched[g.gid] = g
@@ -456,7 +464,8 @@ class Admission:
             return None, actions
         self._batches.pop(0)
         complete = sorted((g for g in b.groups if g.state is _G.COMPLETE), key=lambda g: g.order)
-        out = Consumed(groups=[], abandoned=[], dropped=[])
+        out = Consumed(groups=[], abandoned=[], dropped=[], errors=list(self._errors))
+        self._errors.clear()
         for g in b.groups:
             if g.state is _G.ABANDONED:
                 out.abandoned.append(g.task)

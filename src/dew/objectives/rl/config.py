@@ -76,8 +76,10 @@ class SchedulerConfig:
     served version is ``sync_every`` updates behind; a rollout whose oldest call is
     more than ``max_lag`` updates old at consumption is discarded and resubmitted.
     ``max_attempts`` bounds the failed attempts of one sample before its group is
-    abandoned; ``timeout`` (seconds from submission, None: none) fails an attempt
-    still running. ``estimator`` and ``truncation`` choose pack's advantage estimator
+    abandoned; ``timeout`` (seconds from submission) fails an attempt still running.
+    Its default, None, sets no bound: a source that hangs, even while honouring its
+    stop event, then blocks the trainer for good (``dew demo`` and ``dew train`` set
+    one). ``estimator`` and ``truncation`` choose pack's advantage estimator
     and the truncation policy, by registered name or as a function; ``support_capacity``
     (None: no support rows) is pack's per-row support length.
 

@@ -192,6 +192,8 @@ class RolloutScheduler:
         self._history_view = _ReadOnly(self._history)
         # Task ids of the last call by outcome: trained, abandoned, cut, dropped.
         self.last_tasks: dict[str, list[str]] = {}
+        # The latest failed attempts seen by the last call ("key: cause: error"), newest last.
+        self.last_errors: list[str] = []
         self._opened = False  # set when the task stream first opens: hooks are fixed then
         self._install(_NO_HOOKS)
         self._served: int | None = None  # trainer-thread view of the pushed version
@@ -409,6 +411,7 @@ class RolloutScheduler:
             waited=waited,
             metrics=metrics,
         )
+        self.last_errors = list(consumed.errors)
         self.last_tasks = {
             "trained": [consumed.groups[i][0].task.id for i in stats.packed],
             "cut": [consumed.groups[i][0].task.id for i in stats.cut],
