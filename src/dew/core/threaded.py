@@ -17,6 +17,7 @@ Invariants:
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
 
@@ -33,6 +34,7 @@ class ThreadedSession:
         self.task = task
         self.key = key
         self.stop = threading.Event()
+        self.stopped_at: float | None = None  # time.monotonic() of the first cancel()
         self._future: Future[Rollout] = Future()
         self._lock = threading.Lock()
         self._callbacks: list[Callable[[Session], None]] = []
@@ -40,6 +42,8 @@ class ThreadedSession:
         self._settled = threading.Event()  # set once the callbacks have run
 
     def cancel(self) -> None:
+        if self.stopped_at is None:
+            self.stopped_at = time.monotonic()
         self.stop.set()
         # A session that has not begun running resolves now: nobody else will.
         if self._future.cancel():
@@ -81,17 +85,25 @@ class ThreadedSource:
     ``workers`` threads. ``run`` receives a ``stop`` event that ``cancel()`` sets: it
     should check it between steps and hand it to the engine so generation aborts.
     A thread stuck inside a step cannot be reclaimed, so environments must bound
-    their own step time.
+    their own step time. A session still running ``stuck_after`` seconds after its
+    cancel is listed by :meth:`stuck`; the scheduler reports them in its metrics and
+    stops once every worker is stuck.
 
     A subclass that resolves sessions itself (say, from an engine's future, so that
     no thread waits on a generation) opens them with :meth:`begin` and resolves them
     with :meth:`settle` or :meth:`settle_on_pool`.
     """
 
-    def __init__(self, *, workers: int = 8) -> None:
+    def __init__(self, *, workers: int = 8, stuck_after: float = 10.0) -> None:
         workers = as_int(workers, "workers")
         if workers < 1:
             raise ValueError(f"workers must be >= 1, got {workers}")
+        if isinstance(stuck_after, bool) or not (
+            isinstance(stuck_after, (int, float)) and stuck_after > 0
+        ):
+            raise ValueError(f"stuck_after must be > 0 seconds, got {stuck_after!r}")
+        self.workers = workers
+        self.stuck_after = float(stuck_after)
         self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix=type(self).__name__)
         self._lock = threading.Lock()
         self._live: set[ThreadedSession] = set()
@@ -163,6 +175,26 @@ class ThreadedSource:
             self._pool.submit(self.settle, session, produce)
         except RuntimeError:  # close() shut the pool after stopping this session
             self.settle(session, lambda: cancelled_rollout(session.task, session.key))
+
+    def stuck(self) -> list[RolloutKey]:
+        """Rollouts still running ``stuck_after`` seconds after they were cancelled.
+
+        Each holds a worker thread that nothing can reclaim (a ``run`` that ignores its
+        stop event); once there are ``workers`` of them the source can make no progress.
+        """
+        now = time.monotonic()
+        with self._lock:
+            live = list(self._live)
+        return sorted(
+            (
+                s.key
+                for s in live
+                if s.stopped_at is not None
+                and now - s.stopped_at >= self.stuck_after
+                and s._future.running()
+            ),
+            key=str,
+        )
 
     def _forget(self, session: Session) -> None:
         with self._lock:

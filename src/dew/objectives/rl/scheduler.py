@@ -109,6 +109,28 @@ _NO_HOOKS = SchedulerHooks()
 _RecordT = TypeVar("_RecordT")
 
 
+class SourceStuck(RuntimeError):
+    """Every worker of the source is held by a rollout that ignored its cancel."""
+
+
+def _check_stuck(source: Any, metrics: dict[str, float]) -> None:
+    """Count the source's stuck rollouts into ``metrics`` (sources that can tell, such
+    as a ThreadedSource, have ``stuck()``); raise once no worker is left to run one."""
+    stuck = getattr(source, "stuck", None)
+    if not callable(stuck):
+        return
+    keys = stuck()
+    metrics["source/stuck"] = float(len(keys))
+    workers = getattr(source, "workers", None)
+    if keys and isinstance(workers, int) and len(keys) >= workers:
+        shown = ", ".join(str(k) for k in keys[:5]) + (" ..." if len(keys) > 5 else "")
+        raise SourceStuck(
+            f"{type(source).__name__}: all {workers} worker threads are held by rollouts "
+            f"that kept running after they were cancelled ({shown}); nothing can run any "
+            "more. Their run() must return once its stop event is set"
+        )
+
+
 class _ReadOnly(Sequence[_RecordT]):
     """A live, read-only view of a list (no copy per read)."""
 
@@ -398,6 +420,7 @@ class RolloutScheduler:
         metrics.update(_length_bias(packed, dropped, counts["late_cancelled"]))
         metrics["pack/padding_share"] = stats.padding_share
         metrics["tasks/abandoned"] = float(len(consumed.abandoned))
+        _check_stuck(self._source, metrics)
         metrics["tasks/dropped"] = float(len(consumed.dropped))
         record = SchedulerRecord(
             updates=updates,
