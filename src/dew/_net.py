@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import ipaddress
 import socket
+from typing import Any
 
-__all__ = ["bind", "is_loopback"]
+__all__ = ["bind", "h11_with_read_timeout", "is_loopback"]
 
 
 def is_loopback(host: str) -> bool:
@@ -33,3 +34,84 @@ def bind(host: str, port: int, backlog: int) -> socket.socket:
         sock.close()
         raise
     return sock
+
+
+# What a client that sends too slowly gets before the connection closes.
+_TOO_SLOW_BODY = b"the request did not arrive in time: closed"
+_TOO_SLOW_HEADERS = [
+    (b"content-type", b"text/plain; charset=utf-8"),
+    (b"content-length", str(len(_TOO_SLOW_BODY)).encode()),
+    (b"connection", b"close"),
+]
+
+
+def h11_with_read_timeout(seconds: float) -> type:
+    """uvicorn's h11 protocol where each request must arrive whole within ``seconds``.
+
+    uvicorn bounds only the idle time between two requests; a client that connects and
+    sends nothing, or trickles its headers or body a byte at a time, would hold its
+    connection for good. Here a deadline starts when the connection opens and with the
+    first bytes of each later request, and ends once the request is complete (the
+    handler's own time is not bounded); a client that misses it gets a 408 and the
+    connection closes. Invariant: at most one deadline is armed per connection, and it
+    is cancelled when the connection is lost.
+    """
+    import h11
+    from uvicorn.protocols.http.h11_impl import H11Protocol
+
+    if not seconds > 0:
+        raise ValueError(f"read_timeout={seconds!r} must be > 0 seconds")
+
+    class ReadDeadlineH11(H11Protocol):  # type: ignore[misc]
+        _deadline: Any = None
+
+        def connection_made(self, transport: Any) -> None:  # type: ignore[override]
+            super().connection_made(transport)
+            self._arm()
+
+        def data_received(self, data: bytes) -> None:
+            if self._deadline is None and self.conn.their_state is h11.IDLE:
+                self._arm()  # the first bytes of the next request on this connection
+            super().data_received(data)
+
+        def handle_events(self) -> None:
+            super().handle_events()
+            if self.conn.their_state is not h11.IDLE and self.conn.their_state not in (
+                h11.SEND_BODY,
+            ):
+                self._disarm()  # the request is in (or the connection is done)
+
+        def connection_lost(self, exc: Exception | None) -> None:
+            self._disarm()
+            super().connection_lost(exc)
+
+        def _arm(self) -> None:
+            self._disarm()
+            self._deadline = self.loop.call_later(seconds, self._too_slow)
+
+        def _disarm(self) -> None:
+            if self._deadline is not None:
+                self._deadline.cancel()
+                self._deadline = None
+
+        def _too_slow(self) -> None:
+            self._deadline = None
+            if self.transport.is_closing():
+                return
+            if self.cycle is not None:  # a handler waiting on the body: it must not answer
+                self.cycle.disconnected = True
+            if self.conn.our_state is h11.IDLE:  # the headers never came: h11 has no request
+                head = b"".join(b"%s: %s\r\n" % kv for kv in _TOO_SLOW_HEADERS)
+                self.transport.write(b"HTTP/1.1 408 Request Timeout\r\n" + head + b"\r\n")
+                self.transport.write(_TOO_SLOW_BODY)
+            elif self.conn.our_state is h11.SEND_RESPONSE:  # the body never came whole
+                try:
+                    out = self.conn.send(h11.Response(status_code=408, headers=_TOO_SLOW_HEADERS))
+                    out += self.conn.send(h11.Data(data=_TOO_SLOW_BODY))
+                    out += self.conn.send(h11.EndOfMessage())
+                    self.transport.write(out)
+                except h11.LocalProtocolError:  # a response had begun after all: just close
+                    pass
+            self.transport.close()
+
+    return ReadDeadlineH11

@@ -22,7 +22,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from dew._net import bind, is_loopback
+from dew._net import bind, h11_with_read_timeout, is_loopback
 
 __all__ = ["main"]
 
@@ -48,6 +48,18 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default=None, help="torch device (default: cuda if available)")
     p.add_argument("--dtype", default="float32", choices=_DTYPES, help="weights dtype")
     p.add_argument("--version", type=int, default=0, help="version of the initial weights")
+    p.add_argument(
+        "--read-timeout",
+        type=float,
+        default=30.0,
+        help="seconds a request may take to arrive whole; a slower client gets a 408 (default 30)",
+    )
+    p.add_argument(
+        "--max-connections",
+        type=int,
+        default=1024,
+        help="open connections at most; past it a request gets a 503 (default 1024)",
+    )
     return p
 
 
@@ -87,6 +99,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(
             f"dew serve: refusing to bind {args.host}: a non-loopback host needs an API key "
             "(--api-key or DEW_API_KEY)",
+            file=sys.stderr,
+            flush=True,
+        )
+        return 2
+    if not args.read_timeout > 0 or args.max_connections < 1:
+        print(
+            f"dew serve: --read-timeout {args.read_timeout} must be > 0 and --max-connections "
+            f"{args.max_connections} >= 1",
             file=sys.stderr,
             flush=True,
         )
@@ -159,7 +179,10 @@ def _serve(args: argparse.Namespace, api_key: str | None, stopping: list[int]) -
                 log_config=None,
                 access_log=False,
                 lifespan="off",
-                http="h11",
+                # A slow client (headers or body trickled) gets a 408 rather than holding
+                # its connection; past max_connections, a 503.
+                http=h11_with_read_timeout(args.read_timeout),
+                limit_concurrency=args.max_connections + 1,  # uvicorn counts the new one
                 ws="none",
                 loop="asyncio",
                 timeout_graceful_shutdown=10,

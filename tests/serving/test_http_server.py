@@ -487,3 +487,32 @@ def test_first_publish_at_the_initial_version_then_only_newer_or_the_same_weight
         refused = push(other, 0)  # other weights under the served number
         assert refused.status_code == 400 and refused.json()["error"]["param"] == "dew_version"
         assert greedy() == hf_greedy(lively("qwen2", 4), prompt, 8)  # still the first
+
+
+@pytest.mark.timeout(120)
+def test_slow_clients_get_a_408_and_connections_are_bounded() -> None:
+    with serve("--demo", "tiny", "--read-timeout", "0.5", "--max-connections", "3") as s:
+        silent = socket.create_connection(("127.0.0.1", s.port), timeout=10.0)
+        trickle = socket.create_connection(("127.0.0.1", s.port), timeout=10.0)
+        try:
+            trickle.sendall(b"POST /generate HTTP/1.1\r\nHost: x\r\ncontent-length: 90\r\n\r\n{")
+            with s.client(timeout=10.0) as c:  # the third connection: still under the bound
+                assert c.get("/health").status_code == 200
+            for sock in (silent, trickle):
+                t0, answer = time.monotonic(), b""
+                while chunk := sock.recv(4096):
+                    answer += chunk
+                assert answer.startswith(b"HTTP/1.1 408"), answer
+                assert time.monotonic() - t0 < 3.0
+        finally:
+            silent.close()
+            trickle.close()
+        held = [socket.create_connection(("127.0.0.1", s.port), timeout=10.0) for _ in range(3)]
+        try:
+            time.sleep(0.1)
+            with s.client(timeout=10.0) as c:
+                assert c.get("/health").status_code == 503  # past --max-connections
+        finally:
+            for sock in held:
+                sock.close()
+    assert "must be > 0" in run_once(["--demo", "tiny", "--read-timeout", "0"]).stderr

@@ -52,7 +52,7 @@ from typing import Any
 
 import uvicorn
 
-from dew._net import bind, is_loopback
+from dew._net import bind, h11_with_read_timeout, is_loopback
 from dew.core import Engine, RolloutKey, SamplingParams, Task
 from dew.gateway._app import GatewayConfig, build_app
 from dew.gateway._sessions import Limits, Recording, SessionTable
@@ -91,6 +91,9 @@ class RecordingGateway:
     ``max_len`` when it has one); ``max_n`` caps a request's ``n``. ``workers`` bounds
     the threads that render, encode and detokenize. ``retain`` is how many collected
     sessions keep answering 409/410 before their tokens become unknown (401).
+    ``read_timeout`` is how long a request may take to arrive whole (a slower client
+    gets a 408 and its connection closes); past ``max_connections`` open connections
+    a request gets a 503.
     """
 
     def __init__(
@@ -113,6 +116,8 @@ class RecordingGateway:
         retain: int = 65536,
         shutdown_grace: float = 5.0,
         startup_timeout: float = 30.0,
+        read_timeout: float = 30.0,
+        max_connections: int = 1024,
     ) -> None:
         if not is_loopback(host) and not allow_remote:
             raise ValueError(
@@ -140,6 +145,12 @@ class RecordingGateway:
                 "shutdown_grace must be >= 0 and startup_timeout > 0, got "
                 f"{shutdown_grace} and {startup_timeout}"
             )
+        if not (isinstance(read_timeout, (int, float)) and read_timeout > 0):
+            raise ValueError(f"read_timeout must be > 0 seconds, got {read_timeout!r}")
+        if isinstance(max_connections, bool) or not (
+            isinstance(max_connections, int) and max_connections >= 1
+        ):
+            raise ValueError(f"max_connections must be an int >= 1, got {max_connections!r}")
         if max_context is None:
             # An engine that bounds prompt + completion (RolloutServer.max_len) refuses
             # longer calls outright; clamping to it turns those into "length" finishes.
@@ -166,6 +177,8 @@ class RecordingGateway:
         self._workers = workers
         self._grace = shutdown_grace
         self._startup_timeout = startup_timeout
+        self._read_timeout = float(read_timeout)
+        self._max_connections = max_connections
         self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
         self._server: _Server | None = None
@@ -191,7 +204,10 @@ class RecordingGateway:
                 log_config=None,
                 access_log=False,
                 lifespan="off",
-                http="h11",
+                # A slow client (headers or body trickled) gets a 408 after read_timeout
+                # rather than holding its connection; past max_connections, a 503.
+                http=h11_with_read_timeout(self._read_timeout),
+                limit_concurrency=self._max_connections + 1,  # uvicorn counts the new one
                 ws="none",
                 loop="asyncio",
                 timeout_graceful_shutdown=self._grace,
