@@ -112,8 +112,11 @@ class DemoConfig:
             raise ValueError(f"size={self.size!r} is not one of {sorted(SIZES)}")
         if self.arch not in ARCHS:
             raise ValueError(f"arch={self.arch!r} is not one of {sorted(ARCHS)}")
-        # The scheduler's own checks, before anything is built or written.
-        SchedulerConfig(
+        self.scheduler_config()  # the scheduler's own checks, before anything is built
+
+    def scheduler_config(self) -> SchedulerConfig:
+        """The scheduling knobs of this demo (checked by SchedulerConfig itself)."""
+        return SchedulerConfig(
             groups=self.group_size,
             ahead=self.ahead,
             max_lag=self.max_lag,
@@ -401,18 +404,8 @@ def build_job(
     optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr, weight_decay=0.0)
     parts = (task or TASKS[config.task])(config, server, tokenizer)
     stack.callback(parts.close)
-    scheduler = RolloutScheduler(
-        objective,
-        parts.source,
-        server,
-        width=parts.max_chain,
-        rows=rows,
-        groups=config.group_size,
-        ahead=config.ahead,
-        max_lag=config.max_lag,
-        truncation=config.truncation,
-        estimator=config.estimator,
-        timeout=config.timeout,
+    scheduler = RolloutScheduler.from_config(
+        objective, parts.source, server, config.scheduler_config(), width=parts.max_chain, rows=rows
     )
     stack.callback(scheduler.close)
     return DemoJob(model, optimizer, objective, dataset, server, scheduler)
