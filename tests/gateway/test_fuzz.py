@@ -139,14 +139,43 @@ def sse_events(text: str) -> list[str]:
     return [line[len("data: ") :] for line in text.split("\n") if line.startswith("data: ")]
 
 
+FUZZ = {
+    "body": raw_bodies,
+    "path": st.sampled_from(["chat/completions", "completions"]),
+    "counter": st.integers(0, 2**31),
+}
+
+
 @pytest.mark.timeout(600)
 @settings(max_examples=150, deadline=None, suppress_health_check=list(HealthCheck))
-@given(
-    body=raw_bodies,
-    path=st.sampled_from(["chat/completions", "completions"]),
-    counter=st.integers(0, 2**31),
-)
+@given(**FUZZ)
 def test_fuzzed_bodies_never_5xx_and_never_half_record(gateway, http, body, path, counter):
+    check_one(gateway, http, body, path, counter)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1200)
+@settings(max_examples=2000, deadline=None, suppress_health_check=list(HealthCheck))
+@given(**FUZZ)
+def test_thousands_of_fuzzed_bodies_leave_the_gateway_healthy(gateway, http, body, path, counter):
+    check_one(gateway, http, body, path, counter)
+
+
+def test_the_gateway_is_healthy_after_the_fuzzing(gateway, http) -> None:
+    # Runs after the fuzz tests of this module (pytest keeps file order): still serving.
+    token = gateway.open(Task("after"), RolloutKey(2**31 + 1, 0, 0))  # beyond the fuzzed keys
+    r = http.post(
+        f"{gateway.base_url}/chat/completions",
+        json=BASE,
+        headers={"authorization": f"Bearer {token}"},
+    )
+    assert r.status_code == 200, r.text
+    assert len(gateway.close_session(token).calls) == 1
+
+
+def check_one(gateway: RecordingGateway, http: Any, body: bytes, path: str, counter: int) -> None:
+    """One fuzzed request: a 2xx or a 4xx naming the problem, and a recording that is
+    either empty (refused) or exactly what was answered."""
     key = RolloutKey(counter, 0, 0)
     token = gateway.open(Task("fuzz"), key)
     r = http.post(

@@ -166,8 +166,10 @@ def test_chaos_a_member_killed_mid_run(tmp_path: Path) -> None:
             while len(seen) < kill_at and time.monotonic() < deadline:
                 time.sleep(0.01)
             time.sleep(delay)
-            while fleet.in_flight == 0 and time.monotonic() < deadline:
-                time.sleep(0.001)  # land while calls are in flight
+            # Land while the victim itself has calls in flight (the fleet's count may
+            # all be the other member's, whose calls the kill does not touch).
+            while fleet.members()[index].in_flight == 0 and time.monotonic() < deadline:
+                time.sleep(0.001)
             assert victim.pid is not None
             os.kill(victim.pid, signal.SIGKILL)
             killed.append(len(seen))
