@@ -207,9 +207,9 @@ def _looks_complete(path: Path) -> bool:
     """A cheap check (no hashing): the manifest is there and every file it lists has the
     size it says."""
     try:
-        files = json.loads((path / MANIFEST).read_text())["files"]
+        files = manifest_files(path)
         return all((path / n).stat().st_size == f["bytes"] for n, f in files.items())
-    except (OSError, ValueError, KeyError, TypeError):
+    except (CheckpointError, OSError, KeyError, TypeError):
         return False
 
 
@@ -231,8 +231,9 @@ def prune(folder: Path, newest: Path, keep: int) -> None:
         shutil.rmtree(path, ignore_errors=True)
 
 
-def verify(path: Path) -> None:
-    """Raise :class:`CheckpointError` unless every file of ``path`` matches its manifest."""
+def manifest_files(path: Path) -> dict[str, Any]:
+    """The files ``path``'s manifest lists (name -> bytes and sha256); CheckpointError when
+    the manifest is missing or unreadable."""
     manifest_path = path / MANIFEST
     if not manifest_path.is_file():
         raise CheckpointError(f"{manifest_path}: missing; the checkpoint was never completed")
@@ -240,19 +241,30 @@ def verify(path: Path) -> None:
         files = json.loads(manifest_path.read_text())["files"]
     except (ValueError, KeyError, TypeError) as exc:
         raise CheckpointError(f"{manifest_path}: unreadable manifest ({exc})") from exc
+    return dict(files)
+
+
+def file_problem(path: Path, name: str, entry: Mapping[str, Any]) -> str:
+    """What is wrong with file ``name`` of ``path`` against its manifest ``entry``, or ''."""
+    file = path / name
+    if not file.is_file():
+        return f"{file}: missing"
+    size = file.stat().st_size
+    if size != entry["bytes"]:
+        return f"{file}: {size} bytes, the manifest says {entry['bytes']} (truncated?)"
+    if _sha256(file) != entry["sha256"]:
+        return f"{file}: contents do not match the manifest's SHA-256"
+    return ""
+
+
+def verify(path: Path) -> None:
+    """Raise :class:`CheckpointError` unless every file of ``path`` matches its manifest."""
+    files = manifest_files(path)
     for name in _FILES:
-        file = path / name
         if name not in files:
-            raise CheckpointError(f"{manifest_path}: does not list {name}")
-        if not file.is_file():
-            raise CheckpointError(f"{file}: missing")
-        size = file.stat().st_size
-        if size != files[name]["bytes"]:
-            raise CheckpointError(
-                f"{file}: {size} bytes, the manifest says {files[name]['bytes']} (truncated?)"
-            )
-        if _sha256(file) != files[name]["sha256"]:
-            raise CheckpointError(f"{file}: contents do not match the manifest's SHA-256")
+            raise CheckpointError(f"{path / MANIFEST}: does not list {name}")
+        if problem := file_problem(path, name, files[name]):
+            raise CheckpointError(problem)
 
 
 def load(path: Path, *, model: Any, optimizer: Any) -> Checkpoint:

@@ -391,14 +391,14 @@ def fit(
     if pool is None:
         source = _resume_path(run, resume, _checkpoint.latest)
     else:
-        from dew.pool import _checkpoint as sharded
+        from dew.pool import _checkpoint as pool_checkpoints
 
-        source = _resume_path(run, resume, lambda f: sharded.latest(f, pool), sharded=True)
+        source = _resume_path(run, resume, lambda f: pool_checkpoints.latest(f, pool), sharded=True)
     if source is not None:
         if pool is None:
             ckpt = _checkpoint.load(source, model=model, optimizer=optimizer)
         else:
-            ckpt = sharded.load(source, model=model, optimizer=optimizer, pool=pool)
+            ckpt = pool_checkpoints.load(source, model=model, optimizer=optimizer, pool=pool)
         same = folder is not None and source.parent.resolve() == folder.resolve()
         if same and rank == 0:
             assert folder is not None
@@ -418,7 +418,7 @@ def fit(
     def checkpoint() -> None:
         if folder is None:
             return
-        save = _checkpoint.save if pool is None else partial(sharded.save, pool=pool)
+        save = _checkpoint.save if pool is None else partial(pool_checkpoints.save, pool=pool)
         result.checkpoint = save(
             folder,
             model=model,

@@ -43,6 +43,8 @@ from dew._checkpoint import (
     _set_rng_json,
     _sha256,
     checkpoints,
+    file_problem,
+    manifest_files,
     prune,
     step_name,
 )
@@ -165,40 +167,21 @@ def save(
     return final
 
 
-def _check_files(path: Path, names: list[str], files: dict[str, Any]) -> str:
-    """The first problem among ``names`` of ``path``'s manifest, or ''."""
-    for name in names:
-        file = path / name
-        if not file.is_file():
-            return f"{file}: missing"
-        size = file.stat().st_size
-        if size != files[name]["bytes"]:
-            return f"{file}: {size} bytes, the manifest says {files[name]['bytes']} (truncated?)"
-        if _sha256(file) != files[name]["sha256"]:
-            return f"{file}: contents do not match the manifest's SHA-256"
-    return ""
-
-
 def verify(path: Path, pool: Pool) -> None:
     """Raise CheckpointError on every process unless all of ``path`` matches its manifest.
 
     Each process hashes its own slice of the files; the pool agrees on the verdict.
     """
     problem = ""
-    files: dict[str, Any] = {}
-    manifest_path = path / MANIFEST
-    if not manifest_path.is_file():
-        problem = f"{manifest_path}: missing; the checkpoint was never completed"
+    try:
+        files = manifest_files(path)
+    except CheckpointError as exc:
+        problem = str(exc)
     else:
-        try:
-            files = json.loads(manifest_path.read_text())["files"]
-        except (ValueError, KeyError, TypeError) as exc:
-            problem = f"{manifest_path}: unreadable manifest ({exc})"
-    if not problem:
         if not any(name.startswith("rank0/") for name in files):
-            problem = f"{manifest_path}: lists no rank0/ state"
-        else:
-            problem = _check_files(path, sorted(files)[pool.rank :: pool.world], files)
+            problem = f"{path / MANIFEST}: lists no rank0/ state"
+        for name in sorted(files)[pool.rank :: pool.world]:  # this process's slice
+            problem = problem or file_problem(path, name, files[name])
     verdicts = [json.loads(p) for p in pool.exchange("checkpoint-verify", json.dumps(problem))]
     found = [v for v in verdicts if v]
     if found:
