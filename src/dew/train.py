@@ -338,6 +338,8 @@ def fit(
     masked) is logged as a warning the first time, naming why; after this many such
     steps in a row ``fit`` raises :class:`TrainingStalled` with the cause and the
     latest failed attempts the rollout reported (``last_errors``). None: never stop.
+    On a pool the processes agree on it after every step: when one process reaches
+    the bound, every process raises, naming it.
 
     ``pool`` (a :class:`dew.pool.Pool`, with the model laid out by
     :func:`dew.pool.shard_model`): every process of a ``torchrun`` job calls ``fit``
@@ -496,15 +498,28 @@ def fit(
                 if not warned:
                     warned = True
                     logger.warning("step %d trained no token: %s", updates, _empty_cause(record))
-                if max_empty_steps is not None and len(empty) >= max_empty_steps:
-                    raise TrainingStalled(
-                        f"{len(empty)} steps in a row ({empty[0]}..{empty[-1]}) trained no "
-                        f"token: {_empty_cause(record)}; latest failed attempts: "
-                        + ("; ".join(errors) if errors else "none reported")
-                        + " (fit(max_empty_steps=None) trains on regardless)"
-                    )
             else:
                 empty, errors = [], []
+            stalled = None
+            if max_empty_steps is not None and len(empty) >= max_empty_steps:
+                stalled = (
+                    f"{len(empty)} steps in a row ({empty[0]}..{empty[-1]}) trained no "
+                    f"token: {_empty_cause(record)}; latest failed attempts: "
+                    + ("; ".join(errors) if errors else "none reported")
+                    + " (fit(max_empty_steps=None) trains on regardless)"
+                )
+            if pool is not None:
+                # Agreed, so that every process stops at the same step with the same
+                # error, not one alone while the others wait for it in the next round.
+                said = pool.exchange("stalled", stalled or "")
+                stalled = (
+                    "; ".join(
+                        f"rank {r} of {pool.world}: {why}" for r, why in enumerate(said) if why
+                    )
+                    or None
+                )
+            if stalled is not None:
+                raise TrainingStalled(stalled)
 
             # 5. Checkpoint.
             if checkpoint_every is not None and updates % checkpoint_every == 0:

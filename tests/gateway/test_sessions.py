@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import gc
 import threading
+import weakref
 
 import numpy as np
 import pytest
@@ -187,6 +189,27 @@ def test_tombstones_are_retained_then_forgotten():
         t.close(tok)
     assert status_of(t, f"Bearer {tokens[0]}") == 401
     assert [status_of(t, f"Bearer {tok}") for tok in tokens[1:]] == [410, 410]
+
+
+def test_a_tombstone_keeps_neither_the_task_nor_the_sessions_buffers():
+    # 65,536 tombstones by default: each must be small, whatever the tasks held.
+    class Payload:  # a task's data, weakly referencable
+        pass
+
+    data = Payload()
+    alive = weakref.ref(data)
+    t = table()
+    tok = t.open(Task("big", data), RolloutKey(0, 0, 0))
+    recording = t.close(tok)
+    assert recording.task.data is data
+    del recording, data
+    gc.collect()
+    assert alive() is None  # only the recording held it
+    assert status_of(t, f"Bearer {tok}") == 410
+    t.open(TASK, RolloutKey(0, 0, 1))
+    assert status_of(t, f"Bearer {tok}") == 409  # a tombstone can still be superseded
+    with pytest.raises(ValueError, match="already collected"):
+        t.close(tok)
 
 
 def test_close_all_stops_everything_and_refuses_new_sessions():

@@ -80,6 +80,10 @@ clip_high = 0.28
     assert config.grpo_objective().clip_high == 0.28
     assert config.grpo_objective().temperature == 0.5  # the sampling temperature
     assert config.data.column == "msgs" and config.data.chat
+    # The pool's bounds reach init_pool by name (dew train passes the section whole).
+    assert config.parallel.hang_timeout == 30.0
+    hang = load_config(write(tmp_path, text), ["--parallel.hang_timeout", "5"])
+    assert hang.parallel.model_dump()["hang_timeout"] == 5.0
 
 
 def test_overrides_keep_their_types_and_reach_any_field(tmp_path: Path) -> None:

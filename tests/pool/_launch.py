@@ -68,12 +68,20 @@ def _log(out: Path, name: str) -> Any:
     return (out / name).open("w")
 
 
-def _collect(procs: list[subprocess.Popen[str]], out: Path, n: int, timeout: float) -> Run:
+def _collect(
+    procs: list[subprocess.Popen[str]],
+    out: Path,
+    n: int,
+    timeout: float,
+    wait: list[int] | None = None,
+) -> Run:
+    """Wait for the processes (those at ``wait``'s indices only, if given) until
+    ``timeout``, then kill whatever is left."""
     started = time.monotonic()
     wall0 = time.time()
     deadline = started + timeout
     try:
-        for p in procs:
+        for p in procs if wait is None else [procs[i] for i in wait]:
             left = max(deadline - time.monotonic(), 0.0)
             try:
                 p.wait(timeout=left)
@@ -136,8 +144,16 @@ def torchrun(n: int, config: dict[str, Any], out: Path, *, timeout: float = 120.
     return _collect([proc], out, n, timeout)
 
 
-def direct(n: int, config: dict[str, Any], out: Path, *, timeout: float = 120.0) -> Run:
-    """n workers with torchrun's environment around a store hosted here."""
+def direct(
+    n: int,
+    config: dict[str, Any],
+    out: Path,
+    *,
+    timeout: float = 120.0,
+    wait: list[int] | None = None,
+) -> Run:
+    """n workers with torchrun's environment around a store hosted here; waits for the
+    ranks in ``wait`` (default: all) to end, then kills the others."""
     import torch.distributed as dist
 
     path = _config(out, config)
@@ -169,7 +185,7 @@ def direct(n: int, config: dict[str, Any], out: Path, *, timeout: float = 120.0)
                         start_new_session=True,
                     )
                 )
-        return _collect(procs, out, n, timeout)
+        return _collect(procs, out, n, timeout, wait)
     finally:
         for p in procs:
             if p.poll() is None:

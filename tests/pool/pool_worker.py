@@ -15,8 +15,12 @@ and a single process see the same rollouts for the same tasks.
 
 Failure injection (config ``fail``: ``{"rank", "kind", "at_version"}``): once the
 served version reaches ``at_version`` the source of that rank raises (``raise``),
-SIGKILLs its own process (``kill``) or blocks until cancelled (``hang``);
-``kill_in_step`` SIGKILLs the rank right after the pool agreed on call ``at_version``.
+SIGKILLs its own process (``kill``), blocks until cancelled (``hang``), SIGSTOPs its
+own process (``stop``: it stays in the process table, silent), returns infrastructure
+errors only (``infra``: its share trains nothing) or sleeps ``seconds``
+in one rollout while staying alive (``slow``); ``kill_in_step``, ``stop_in_step``
+and ``slow_in_step`` do the same to the rank right after the pool agreed on call
+``at_version``, when the others are entering the step's collectives.
 """
 
 from __future__ import annotations
@@ -53,6 +57,7 @@ from dew.pool import (
 from dew.train import fit
 
 VOCAB = 90  # token ids drawn below this (the demo vocabulary is ~100)
+IN_STEP = {"kill_in_step": signal.SIGKILL, "stop_in_step": signal.SIGSTOP, "slow_in_step": None}
 
 
 class Engine:
@@ -90,6 +95,7 @@ class ScriptedSource(ThreadedSource):
         self.rank = rank
         self.fail = fail if fail and fail["rank"] == rank else None
         self.started = 0
+        self.slowed = False
         self._count = threading.Lock()
 
     def run(self, task: Task, key: RolloutKey, stop: threading.Event) -> Rollout:
@@ -109,6 +115,20 @@ class ScriptedSource(ThreadedSource):
                 os.kill(os.getpid(), signal.SIGKILL)
             if kind == "hang":
                 stop.wait(120.0)  # until the scheduler's timeout cancels it
+            if kind == "stop":
+                os.kill(os.getpid(), signal.SIGSTOP)
+            if kind == "infra":  # every attempt fails: this share trains nothing
+                return Rollout(
+                    key=key,
+                    task=task,
+                    status=Status.INFRA_ERROR,
+                    error=f"sandbox gone on rank {self.rank}",
+                )
+            if kind == "slow":
+                with self._count:
+                    first, self.slowed = not self.slowed, True
+                if first:  # one long rollout: the rank's rollouts take that long
+                    time.sleep(self.fail["seconds"])
         rng = np.random.default_rng([int(task.id), key.sample, key.attempt])
         prompt = [5 + int(task.id) % 80, 7, 9]
         n = int(rng.integers(2, 6))
@@ -161,6 +181,7 @@ class Checked:
         self.out_dir = out_dir
         self.objective = objective
         self.out = out
+        self.failed = False
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.scheduler, name)
@@ -169,11 +190,16 @@ class Checked:
         pushes = len(self.engine.loads)
         packed = self.scheduler(model, batch, updates=updates)
         fail = self.fail
-        if fail and fail["kind"] == "kill_in_step" and updates >= fail["at_version"]:
-            # Dies after the pool agreed on this call: the others are about to enter the
+        kind = fail["kind"] if fail else None
+        if fail and kind in IN_STEP and updates >= fail["at_version"] and not self.failed:
+            # After the pool agreed on this call: the others are about to enter the
             # gradient collectives of the step.
+            self.failed = True
             (self.out_dir / "failed_at").write_text(repr(time.time()))
-            os.kill(os.getpid(), signal.SIGKILL)
+            if kind == "slow_in_step":
+                time.sleep(fail["seconds"])  # alive: the heartbeat goes on
+            else:
+                os.kill(os.getpid(), IN_STEP[kind])
         with torch.no_grad():
             fresh = self.objective.packed_log_probs(model, packed).numpy()
         rows, width = packed["tokens"].shape
@@ -222,6 +248,7 @@ def main(config: dict[str, Any]) -> int:
                 tensor=config.get("tensor", 1),
                 timeout=config.get("pg_timeout", 30.0),
                 agree_timeout=config.get("agree_timeout", 10.0),
+                hang_timeout=config.get("hang_timeout", 30.0),
             )
             shares = pool.shares
             out.update(rank=pool.rank, world=pool.world, share=pool.share, reader=pool.reader)
@@ -283,6 +310,7 @@ def main(config: dict[str, Any]) -> int:
                 log=[check],
                 tensorboard=False,
                 pool=pool,
+                max_empty_steps=config.get("max_empty_steps", 5),
             )
             out["resumed_from"] = str(result.resumed_from) if result.resumed_from else None
         finally:

@@ -7,6 +7,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -72,3 +73,61 @@ def test_demo_under_torchrun_two_processes(tmp_path: Path) -> None:
 def test_demo_under_torchrun_data_and_tensor_axes(tmp_path: Path) -> None:
     run_demo(4, tmp_path, 2, 360, "--run-dir", str(tmp_path / "run"), "--tensor", "2")
     check(tmp_path, 4, 2, tensor=2)
+
+
+def _workers(agent: int) -> dict[int, int]:
+    """The torchrun workers under ``agent``: RANK -> pid (read from /proc)."""
+    found = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+            environ = (entry / "environ").read_bytes().split(b"\0")
+        except OSError:  # gone since the listing
+            continue
+        if int(stat.rsplit(")", 1)[1].split()[1]) != agent:
+            continue
+        env = dict(e.decode().split("=", 1) for e in environ if b"=" in e)
+        if "RANK" in env:
+            found[int(env["RANK"])] = int(entry.name)
+    return found
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_stopped_demo_process_is_named_by_the_other_within_a_minute(tmp_path: Path) -> None:
+    # The case measured in issue 21: SIGSTOP one rank of `torchrun ... dew demo` with
+    # the default bounds. Its peer used to wait for 300 s (agreement) or 1,800 s (a
+    # collective) without a word; the heartbeat names it after 30 s.
+    from tests.pool._launch import _alive
+
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+    cmd += ["--nproc-per-node=2", "-m", "dew.cli", "demo", "--no-progress"]
+    cmd += ["--steps", "100000", "--run-dir", str(tmp_path / "run")]
+    log_path = tmp_path / "log.txt"
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(
+            cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, cwd=tmp_path
+        )
+    try:
+        deadline = time.monotonic() + 180
+        progress = tmp_path / "run" / "records.jsonl"
+        while not (progress.exists() and len(progress.read_text().splitlines()) >= 3):
+            assert proc.poll() is None, log_path.read_text()[-4000:]
+            assert time.monotonic() < deadline, "the demo made no progress"
+            time.sleep(0.2)
+        workers = _workers(proc.pid)
+        assert sorted(workers) == [0, 1], workers
+        os.kill(workers[1], signal.SIGSTOP)
+        stopped = time.monotonic()
+        while _alive(workers[0]) and time.monotonic() - stopped < 120:
+            time.sleep(0.2)
+        waited = time.monotonic() - stopped
+        output = log_path.read_text()
+        assert not _alive(workers[0]), f"rank 0 still waiting after {waited:.0f} s"
+        assert 25 < waited < 60, (waited, output[-4000:])
+        assert "rank 1 of 2 has not beaten for 30 s" in output, output[-4000:]
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)  # the stopped rank too: SIGKILL ends it
+        proc.wait()

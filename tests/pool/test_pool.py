@@ -186,6 +186,32 @@ def test_one_failing_process_fails_the_whole_pool(tmp_path: Path, kind: str) -> 
         assert "arrived after the pool gave up on it" in run.ranks[rank]["error"]
 
 
+@pytest.mark.timeout(150)
+def test_a_process_whose_share_trains_nothing_stops_every_process_at_the_same_step(
+    tmp_path: Path,
+) -> None:
+    # Rank 1's source fails every attempt from call 1 on: its share trains no token,
+    # rank 0's trains on. At rank 1's bound every process raises TrainingStalled at the
+    # same step, naming rank 1 and its errors, instead of rank 1 alone.
+    config = {
+        "steps": 8,
+        "max_attempts": 1,
+        "max_empty_steps": 2,
+        "fail": {"rank": 1, "kind": "infra", "at_version": 1},
+    }
+    run = direct(2, config, tmp_path, timeout=120)
+    assert run.leftover == [], run.output
+    assert run.returncodes == [3, 3], run.output
+    errors = [run.ranks[r]["error"] for r in (0, 1)]
+    assert errors[0] == errors[1], errors  # one agreed error
+    assert errors[0].startswith("TrainingStalled: rank 1 of 2: 2 steps in a row ("), errors
+    assert "sandbox gone on rank 1" in errors[0] and "rank 0 of 2" not in errors[0]
+    steps = [len(run.ranks[r]["losses"]) for r in (0, 1)]
+    assert steps[0] == steps[1] < 8, steps  # both stopped after the same step
+    stopped_at = int(errors[0].split("..")[1].split(")")[0])
+    assert steps[0] == stopped_at
+
+
 def _records(run_dir: Path, rank: int) -> list[dict]:
     from dew.train import read_records
 

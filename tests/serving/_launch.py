@@ -18,6 +18,7 @@ import threading
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
+from pathlib import Path
 from typing import IO
 
 import httpx
@@ -167,3 +168,11 @@ def run_once(args: Sequence[str], *, env: dict[str, str] | None = None, timeout:
     return subprocess.run(
         command(*args), capture_output=True, text=True, env=environ, timeout=timeout, check=False
     )
+
+
+def rss_kib(pid: int) -> int:
+    """The resident memory of process ``pid``, KiB (Linux)."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1])
+    raise AssertionError(f"no VmRSS for pid {pid}")

@@ -22,6 +22,9 @@ never while generating):
   pair: their tokens answer 409 from then on, whatever attempt number was used.
 * A session whose recording was collected stays as a tombstone (its token answers
   409 or 410) until ``retain`` newer ones were collected; then its token is unknown (401).
+  A tombstone keeps only the key and whether it was superseded (about 200 bytes with
+  its table entries, not the task or the session's buffers), so the table's memory is
+  bounded by ``retain`` tombstones plus the open sessions.
 """
 
 from __future__ import annotations
@@ -86,7 +89,6 @@ class _TokenSession:
     digest: bytes
     open: bool = True
     superseded: bool = False
-    collected: bool = False
     calls: list[Call] = field(default_factory=list)
     history: collections.deque[Prefix] = field(default_factory=collections.deque)
     inflight: set[threading.Event] = field(default_factory=set)
@@ -95,6 +97,17 @@ class _TokenSession:
     reserved: int = 0
     truncation: str | None = None
     error: str | None = None
+
+
+@dataclass(eq=False, slots=True)
+class _Tombstone:
+    """What stays of a collected session: enough to answer its token with 409 or 410."""
+
+    key: RolloutKey
+    digest: bytes
+    superseded: bool
+    open: bool = False
+    inflight: tuple[threading.Event, ...] = ()
 
 
 @dataclass(frozen=True, eq=False)
@@ -127,8 +140,8 @@ class SessionTable:
         self._retain = retain
         self._history = history
         self._lock = threading.Lock()
-        self._by_digest: dict[bytes, _TokenSession] = {}
-        self._latest: dict[tuple[int, int], _TokenSession] = {}
+        self._by_digest: dict[bytes, _TokenSession | _Tombstone] = {}
+        self._latest: dict[tuple[int, int], _TokenSession | _Tombstone] = {}
         self._tombstones: collections.deque[bytes] = collections.deque()
         self._closed = False
 
@@ -158,13 +171,17 @@ class SessionTable:
         """Close the session and hand over its recording (once)."""
         with self._lock:
             s = self._find(token)
-            if s.collected:
+            if isinstance(s, _Tombstone):
                 raise ValueError(f"{s.key}: the session's recording was already collected")
             self._stop(s)
-            s.collected = True
             out = Recording(s.key, s.task, tuple(s.calls), s.truncation, s.error, s.turns, s.tokens)
             s.calls = []
             s.history.clear()
+            stone = _Tombstone(s.key, s.digest, s.superseded)
+            self._by_digest[s.digest] = stone
+            pair = (s.key.group, s.key.sample)
+            if self._latest.get(pair) is s:
+                self._latest[pair] = stone
             self._tombstones.append(s.digest)
             while len(self._tombstones) > self._retain:
                 self._forget(self._tombstones.popleft())
@@ -176,13 +193,13 @@ class SessionTable:
             for s in self._by_digest.values():
                 self._stop(s)
 
-    def _find(self, token: str) -> _TokenSession:
+    def _find(self, token: str) -> _TokenSession | _Tombstone:
         s = self._by_digest.get(_digest(token)) if isinstance(token, str) else None
         if s is None:
             raise ValueError("unknown session token")
         return s
 
-    def _stop(self, s: _TokenSession) -> None:
+    def _stop(self, s: _TokenSession | _Tombstone) -> None:
         s.open = False
         for event in s.inflight:
             event.set()
@@ -212,10 +229,11 @@ class SessionTable:
                     401, "invalid API key", code="invalid_api_key", kind="authentication_error"
                 )
             self._check_open(s)
+        assert isinstance(s, _TokenSession)  # a tombstone is never open
         return s
 
     @staticmethod
-    def _check_open(s: _TokenSession) -> None:
+    def _check_open(s: _TokenSession | _Tombstone) -> None:
         if s.superseded:
             raise RequestError(
                 409,

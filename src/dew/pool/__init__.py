@@ -15,7 +15,9 @@ model lives on a ``data x tensor`` device mesh:
 * :func:`save_pretrained` gathers the whole model on one process for an export.
 
 A failure anywhere (a source that raises, a process that dies or hangs) makes every
-process raise :class:`PoolError` naming the process at fault, within bounded time.
+process raise :class:`PoolError` naming the process at fault, within bounded time. A
+process that stops running is told from a slow one by its heartbeat, a side thread
+each process runs (``init_pool(hang_timeout=30)``).
 """
 
 from dew.pool._checkpoint import latest as latest_checkpoint

@@ -21,10 +21,17 @@ Invariants (concurrency and failure):
   missing process, instead of raising a transport error that names nobody. Every
   process group the pool makes carries the pool's ``timeout``, so a survivor stuck
   with another survivor is freed by then.
+* A hung process is told apart from a slow one by its heartbeat
+  (:mod:`dew.pool._heartbeat`): once a peer has not beaten for ``hang_timeout``
+  seconds, a round waiting for it fails at once naming it, and a collective blocked
+  on it is freed by shutting down the connections to it, so every other process
+  raises within seconds of the bound; a peer that beats is waited for as long as
+  the round's or the collective's own timeout allows.
 * Every process makes the same sequence of pool calls, which the scheduler and
   ``fit`` guarantee: pushes follow from ``updates`` and ``sync_every``, every call
   agrees exactly once, every step runs the same collectives.
-* Nothing here starts threads; everything runs on the trainer's thread.
+* The pool's one thread is its heartbeat, started by :func:`init_pool` and joined
+  by :meth:`Pool.close`; the rounds and collectives run on the trainer's thread.
 """
 
 from __future__ import annotations
@@ -37,6 +44,7 @@ from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
 from dew.data import Dataset
+from dew.pool._heartbeat import Heartbeat
 from dew.pool._store import Missing, Rounds, StoreLost
 
 if TYPE_CHECKING:
@@ -73,6 +81,7 @@ class Pool:
     timeout: float = 1800.0  # every process group's collective timeout, seconds
     backend: str = "gloo"
     mesh: DeviceMesh | None = None  # ("data", "tensor"); None only in tests of the rounds
+    heartbeat: Heartbeat | None = None  # None: hangs are found by timeouts only
 
     @property
     def data(self) -> int:
@@ -131,7 +140,8 @@ class Pool:
             return self.rounds.exchange(tag, payload, bound)
         except Missing as exc:
             causes = {
-                r: f"did not reach {name} within {bound:g} s (dead, hung or too slow)"
+                r: exc.hung.get(r)
+                or f"did not reach {name} within {bound:g} s (dead, hung or too slow)"
                 for r in exc.ranks
             }
             late = " (this process arrived after the pool gave up on it)"
@@ -143,11 +153,13 @@ class Pool:
                 causes,
             ) from None
         except StoreLost as exc:
+            gone = self.heartbeat.gone() if self.heartbeat is not None else {}
+            known = "".join(f"; rank {r} of {self.world} {c}" for r, c in gone.items())
             raise PoolError(
                 f"rank {self.rank}: pool round {name} failed: the rendezvous store is "
-                f"unreachable (its host process may be dead): {exc}",
-                [],
-                {},
+                f"unreachable (its host process may be dead or hung): {exc}{known}",
+                sorted(gone),
+                gone,
             ) from exc
 
     def agree(self, failure: BaseException | None) -> None:
@@ -179,11 +191,18 @@ class Pool:
         ``timeout + agree_timeout`` and names only the processes that never came.
         Always raises.
         """
+        severed = self.heartbeat.severed() if self.heartbeat is not None else {}
+        cause = _describe(exc)
+        if severed:
+            cause = (
+                f"this process shut down its connections to hung rank(s) "
+                f"{sorted(severed)} to leave it: {cause}"
+            )
         try:
             self.exchange("post-mortem", "alive", timeout=self.timeout + self.agree_timeout)
         except PoolError as named:
             raise PoolError(
-                f"{named} (after the collective {what} failed: {_describe(exc)})",
+                f"{named} (after the collective {what} failed: {cause})",
                 named.ranks,
                 named.causes,
             ) from exc
@@ -205,16 +224,24 @@ class Pool:
         except Exception as exc:  # a peer died or timed out inside the collective
             # Leave the broken group first (nothing can use it any more); a peer blocked
             # in this collective on us may then fail sooner than the group's timeout.
-            self.close()
+            # The heartbeat keeps running: the post-mortem round needs its view.
+            self._leave_groups()
             self.post_mortem(what, exc)
 
     def close(self) -> None:
-        """Leave the process groups (a local operation on gloo; safe after a failure).
+        """Stop the heartbeat (telling the peers this process left) and leave the
+        process groups (a local operation on gloo; safe after a failure).
 
         A group's gloo worker threads end when its last reference goes. The pool drops
         its own here; torch's DTensor caches keep the mesh of a sharded model (and its
         groups) until the process exits, which the pool tests check ends cleanly.
         """
+        if self.heartbeat is not None:
+            self.heartbeat.close()
+            self.heartbeat = None
+        self._leave_groups()
+
+    def _leave_groups(self) -> None:
         import torch.distributed as dist
 
         self.mesh = None
@@ -251,6 +278,7 @@ def init_pool(
     data: int | None = None,
     timeout: float = 1800.0,
     agree_timeout: float = 300.0,
+    hang_timeout: float | None = 30.0,
 ) -> Pool:
     """Join the pool of a ``torchrun`` job (``env://``) and lay it out as ``data x tensor``.
 
@@ -260,7 +288,10 @@ def init_pool(
     ``timeout`` bounds every collective (seconds, the timeout of every process group
     the pool makes); ``agree_timeout`` bounds each agreement round: how long the
     earliest process waits for the slowest one to finish its rollouts before naming
-    it missing.
+    it missing. ``hang_timeout`` is how long a process's heartbeat may be silent
+    before the others name it hung and fail, whatever they are waiting in; a process
+    that is only slow keeps beating and is waited for. ``None`` turns the heartbeat
+    off (hangs are then found by the two timeouts alone).
     """
     import torch
     import torch.distributed as dist
@@ -268,8 +299,11 @@ def init_pool(
 
     if backend not in ("gloo", "nccl"):
         raise ValueError(f"backend={backend!r} must be 'gloo' or 'nccl'")
-    for name, value in (("timeout", timeout), ("agree_timeout", agree_timeout)):
-        if not (isinstance(value, (int, float)) and value > 0):
+    bounds = (("timeout", timeout), ("agree_timeout", agree_timeout))
+    if hang_timeout is not None:
+        bounds += (("hang_timeout", hang_timeout),)
+    for name, value in bounds:
+        if isinstance(value, bool) or not (isinstance(value, (int, float)) and value > 0):
             raise ValueError(f"{name}={value!r} must be a positive number of seconds")
     for name, value in (("tensor", tensor), ("data", data)):
         if value is not None and (
@@ -318,8 +352,15 @@ def init_pool(
     mesh = DeviceMesh.from_group(
         [mine["data"], mine["tensor"]], device, layout, mesh_dim_names=("data", "tensor")
     )
-    rounds = Rounds(dist.PrefixStore("dew.pool/", store), rank, world)
-    return Pool(
+    pool_store = dist.PrefixStore("dew.pool/", store)
+    heartbeat = None
+    if hang_timeout is not None:
+        # Its own client: the training thread's rounds hold theirs while they wait.
+        heartbeat = Heartbeat(pool_store.clone(), rank, world, float(hang_timeout))
+    rounds = Rounds(pool_store, rank, world, hung=None if heartbeat is None else heartbeat.gone)
+    if heartbeat is not None:
+        heartbeat.on_gone = rounds.interrupt
+    pool = Pool(
         rank=rank,
         world=world,
         tensor=tensor,
@@ -328,4 +369,8 @@ def init_pool(
         timeout=float(timeout),
         backend=backend,
         mesh=mesh,
+        heartbeat=heartbeat,
     )
+    if heartbeat is not None:
+        heartbeat.start()
+    return pool

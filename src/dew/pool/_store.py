@@ -21,6 +21,11 @@ Invariants of one round (``Rounds.exchange``):
   payload is absent, ``complete`` if all are there (the last writer died between
   its write and the decision). A process that arrives after a ``missing`` decision
   finds it already made and fails with it;
+* with a ``hung`` callback (the pool's heartbeat), a round that waits for a rank
+  known hung or gone is decided ``hung <ranks>``: at once if it was known when the
+  round began, else by the heartbeat's thread (:meth:`Rounds.interrupt`, with its
+  own store client), which ends the wait. A peer that is only slow is waited for
+  until the deadline;
 * store errors (a lost store host) become :class:`StoreLost`, never a hang: every
   store operation is bounded by the store's own timeout.
 """
@@ -28,7 +33,9 @@ Invariants of one round (``Rounds.exchange``):
 from __future__ import annotations
 
 import json
+import threading
 import time
+from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
@@ -38,12 +45,16 @@ _COMPLETE = "complete"
 
 
 class Missing(Exception):
-    """Some ranks did not write their payload before the round's deadline."""
+    """Some ranks did not write their payload before the round's deadline, or were
+    found hung or gone (``hung``: their causes by rank) while the round waited."""
 
-    def __init__(self, ranks: list[int], round_name: str) -> None:
+    def __init__(
+        self, ranks: list[int], round_name: str, hung: dict[int, str] | None = None
+    ) -> None:
         super().__init__(f"ranks {ranks} missing from {round_name}")
         self.ranks = ranks
         self.round_name = round_name
+        self.hung = hung or {}
 
 
 class StoreLost(Exception):
@@ -53,11 +64,21 @@ class StoreLost(Exception):
 class Rounds:
     """Numbered agreement rounds of ``world`` processes through ``store``."""
 
-    def __init__(self, store: Any, rank: int, world: int) -> None:
+    def __init__(
+        self,
+        store: Any,
+        rank: int,
+        world: int,
+        *,
+        hung: Callable[[], dict[int, str]] | None = None,
+    ) -> None:
         self.store = store
         self.rank = rank
         self.world = world
+        self.hung = hung  # ranks known hung or gone -> why (the heartbeat's view)
         self._counters: dict[str, int] = {}
+        self._lock = threading.Lock()  # guards _waiting, read by the heartbeat's thread
+        self._waiting: str | None = None  # the round this process waits in
 
     def next_name(self, tag: str) -> str:
         """The name the next round of ``tag`` will have (for messages)."""
@@ -78,27 +99,74 @@ class Rounds:
             if arrived >= self.world:
                 decision = self._decide(decision_key, _COMPLETE)
             else:
-                left = deadline - time.monotonic()
-                try:
-                    # Timeouts below a millisecond read as "use the store default".
-                    self.store.wait([decision_key], timedelta(seconds=max(left, 0.001)))
-                    decision = self.store.get(decision_key).decode()
-                except dist.DistStoreError as exc:
-                    if "timeout" not in str(exc).lower():
-                        raise
-                    missing = [
-                        r for r in range(self.world) if not self.store.check([f"{base}/{r}"])
-                    ]
-                    # Every payload written but no decision: the last writer died (or
-                    # stalled) between writing and deciding. The round itself is whole.
-                    outcome = "missing " + json.dumps(missing) if missing else _COMPLETE
-                    decision = self._decide(decision_key, outcome)
+                decision = self._await(base, deadline)
             if decision == _COMPLETE:
                 return [self.store.get(f"{base}/{r}").decode() for r in range(self.world)]
         except (dist.DistError, RuntimeError) as exc:
             raise StoreLost(f"{type(exc).__name__}: {exc}") from exc
-        ranks = json.loads(decision.split(" ", 1)[1])
-        raise Missing(ranks, base)
+        kind, detail = decision.split(" ", 1)
+        if kind == "hung":
+            causes = {int(r): why for r, why in json.loads(detail).items()}
+            raise Missing(sorted(causes), base, causes)
+        raise Missing(json.loads(detail), base)
+
+    def _await(self, base: str, deadline: float) -> str:
+        """Wait for the round's decision until ``deadline``, then make it."""
+        import torch.distributed as dist
+
+        decision_key = f"{base}/decision"
+        with self._lock:
+            self._waiting = base
+        try:
+            # A rank found hung before this round began: decide now. One found while
+            # it waits: the heartbeat's thread decides (interrupt), ending the wait.
+            early = self._judge(self.store, base, final=False)
+            if early is not None:
+                return self._decide(decision_key, early)
+            try:
+                # Timeouts below a millisecond read as "use the store default".
+                left = max(deadline - time.monotonic(), 0.001)
+                self.store.wait([decision_key], timedelta(seconds=left))
+                return self.store.get(decision_key).decode()
+            except dist.DistStoreError as exc:
+                if "timeout" not in str(exc).lower():
+                    raise
+            outcome = self._judge(self.store, base, final=True)
+            assert outcome is not None
+            return self._decide(decision_key, outcome)
+        finally:
+            with self._lock:
+                self._waiting = None
+
+    def interrupt(self, store: Any) -> None:
+        """Decide the round this process waits in, if a rank it waits for is known
+        hung or gone. Called from the heartbeat's thread with its own ``store`` client;
+        a round that already has a decision keeps it."""
+        with self._lock:
+            base = self._waiting
+        if base is None:
+            return
+        outcome = self._judge(store, base, final=False)
+        if outcome is not None:
+            store.compare_set(f"{base}/decision", "", outcome)
+
+    def _judge(self, store: Any, base: str, *, final: bool) -> str | None:
+        """The round's outcome as far as it can be told now (None: keep waiting).
+
+        Every payload written: ``complete`` (a last writer that stopped or died
+        between writing and counting itself in leaves the round whole). A missing
+        rank known hung or gone: ``hung``. At the deadline: ``missing``.
+        """
+        gone = self.hung() if self.hung is not None else {}
+        if not gone and not final:
+            return None  # nobody to name yet: no store reads while all is well
+        missing = [r for r in range(self.world) if not store.check([f"{base}/{r}"])]
+        if not missing:
+            return _COMPLETE
+        named = {str(r): gone[r] for r in missing if r in gone}
+        if named:
+            return "hung " + json.dumps(named)
+        return "missing " + json.dumps(missing) if final else None
 
     def _decide(self, key: str, outcome: str) -> str:
         # The first writer wins; everyone reads back what was written first.

@@ -140,6 +140,8 @@ async def parse_body(request: Request, model: type[_M]) -> _M:
         data = json.loads(body, parse_constant=_no_constant)
     except (UnicodeDecodeError, ValueError) as exc:
         raise Refusal(400, f"malformed JSON body: {exc}", "body") from None
+    except RecursionError:  # arrays or objects nested deeper than the parser goes
+        raise Refusal(400, "malformed JSON body: nested too deeply", "body") from None
     if not isinstance(data, dict):
         raise Refusal(400, f"the body must be a JSON object, got {type(data).__name__}", "body")
     if model is GenerateBody and "text" in data:

@@ -31,7 +31,8 @@ dew's extensions:
 * Weight pushes carry ``dew_version`` (required) and are refused (400, the old weights
   keep serving) unless it is newer than the served version; a file's own
   ``dew_version`` must equal it, and its checksum must match (:mod:`dew.serving.weights`).
-* ``/health`` and ``/get_model_info`` report ``dew_version``; model info also
+* ``/health`` and ``/get_model_info`` report ``dew_version``; health also
+  ``dew_in_flight``, the ``/generate`` requests being served; model info also
   ``dew_max_len``, ``dew_vocab_size`` and ``dew_eos_token_ids``.
 * Errors are ``{"error": {"message", "param", "type"}}`` with a 4xx naming the field;
   weight-push refusals add SGLang's ``{"success": false, "message"}``. A closed or broken
@@ -262,7 +263,9 @@ def build_app(
         version = state.engine.version
         if not state.alive():
             raise Refusal(503, "the engine thread is not running", None)
-        return JSONResponse({"status": "ok", "dew_version": version})
+        return JSONResponse(
+            {"status": "ok", "dew_version": version, "dew_in_flight": len(state.inflight)}
+        )
 
     async def model_info(state: ServeState, request: Request) -> Response:
         state.authorize(request)
