@@ -53,13 +53,20 @@ def test_plan_runs_without_torch() -> None:
 
 @pytest.mark.timeout(120)
 def test_help_import_time_is_small() -> None:
-    # -X importtime reports microseconds per module; dew.cli's cumulative time must be
-    # a small fraction of a second (torch alone takes seconds).
+    # What keeps `dew --help` instant: no heavy import behind `import dew.cli`. Then a
+    # time bound, generous for a loaded machine (measured ~12 ms here; torch alone
+    # takes seconds): -X importtime reports microseconds per module.
+    probe = (
+        "import sys, dew.cli\n"
+        "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))"
+    )
+    heavy = python("-c", probe)
+    assert heavy.returncode == 0 and heavy.stdout.strip() == "[]", heavy.stdout + heavy.stderr
     out = python("-X", "importtime", "-c", "import dew.cli")
     assert out.returncode == 0, out.stderr
     line = next(x for x in out.stderr.splitlines() if x.rstrip().endswith("| dew.cli"))
     cumulative_us = int(line.split("|")[1])
-    assert cumulative_us < 300_000, line
+    assert cumulative_us < 1_000_000, line
 
 
 @pytest.mark.timeout(120)

@@ -119,7 +119,9 @@ def test_vs_trl_bench_tiny() -> None:
         )
         assert row, text
         assert float(row[1]) > 0 and int(row[2].replace(",", "")) > 0
-        assert 0.0 <= float(row[3]) <= 1.0
+        # Two steps of an untrained model: a digit right now and then, nowhere near the
+        # bench's threshold (a reward on the wrong scale, or always 1, would be).
+        assert 0.0 <= float(row[3]) < 0.3, row[0]
     assert re.search(r"^- completions/s, dew / TRL \(medians\): \d+\.\d+x$", text, re.M), text
     assert re.search(r"^- completions/s, dew async / dew sync: \d+\.\d+x$", text, re.M), text
     assert (results.read_text() if results.exists() else None) == before  # --tiny writes nothing

@@ -421,3 +421,23 @@ def test_subprocess_environment(gateway, tmp_path):
         c.models.list()
     assert info.value.status_code == 410
     assert os.environ.get("EXTRA") is None
+
+
+@pytest.mark.timeout(60)
+def test_cwd_sets_the_subprocess_directory_and_max_output_bytes_keeps_the_tail(gateway, tmp_path):
+    # The command writes 5,000 x's and then its directory to stderr, and fails: the
+    # error carries the tail of stderr that the source kept.
+    code = "import os, sys; sys.stderr.write('x' * 5000 + '\\n' + os.getcwd()); sys.exit(3)"
+    work = tmp_path / "work"
+    work.mkdir()
+    errors = []
+    for kwargs in ({}, {"cwd": str(work), "max_output_bytes": 300}):
+        with HarnessSource(gateway, [sys.executable, "-c", code], length_verifier, **kwargs) as src:
+            r = run_one(src)
+        assert r.status is Status.INFRA_ERROR and "status 3" in r.error, r.error
+        errors.append(r.error)
+    whole, cut = errors
+    assert whole.endswith("x\n" + os.getcwd()) and "bytes cut" not in whole
+    assert cut.endswith("x\n" + str(work)) and "[... " in cut and " bytes cut]" in cut
+    kept = cut.split(" bytes cut]\n", 1)[1]
+    assert len(kept.encode()) == 300

@@ -168,7 +168,10 @@ def test_two_launches_a_stopped_process_is_named_hung(tmp_path: Path) -> None:
     run = _two_launches(config, tmp_path, reports=[0], timeout=150)
     _named_hung(run, [0], 1, 2)
     stopped = int((tmp_path / "pid1").read_text())
-    assert not _alive(stopped)  # killed by the launcher's cleanup, not left behind
+    deadline = time.monotonic() + 30.0  # SIGKILLed by the cleanup; gone once it is reaped
+    while _alive(stopped) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not _alive(stopped), "the stopped process was left behind"
 
 
 @pytest.mark.slow

@@ -431,3 +431,48 @@ def test_a_source_that_always_fails_stops_the_run_with_its_errors(tmp_path: Path
 class _Engine:
     def load(self, variables: Any, version: int) -> None:
         pass
+
+
+@pytest.mark.parametrize("max_grad_norm", [1e-3, None])
+def test_max_grad_norm_bounds_the_step_and_none_leaves_it_whole(
+    tmp_path: Path, max_grad_norm: float | None
+) -> None:
+    # Plain SGD with lr 1: the step is the (clipped) gradient itself, so its norm shows
+    # what clipping did (AdamW would hide it: its update does not scale with the gradient).
+    torch.manual_seed(0)
+    np.random.seed(0)
+    random.seed(0)
+    model = make_model(size="tiny", seed=0, max_positions=64)
+    before = [p.detach().clone() for p in model.parameters()]
+    seen: list[dict] = []
+    fit(
+        model,
+        torch.optim.SGD(model.parameters(), lr=1.0),
+        dataset(),
+        rollout,
+        GRPOObjective(),
+        steps=1,
+        max_grad_norm=max_grad_norm,
+        log=[seen.append],
+        tensorboard=False,
+    )
+    step = torch.sqrt(
+        sum(((p.detach() - b) ** 2).sum() for p, b in zip(model.parameters(), before, strict=True))
+    )
+    if max_grad_norm is None:
+        assert "grad_norm" not in seen[0]
+        assert float(step) > 10 * 1e-3  # the whole gradient: far above the other bound
+    else:
+        assert seen[0]["grad_norm"] > 10 * max_grad_norm  # the norm before clipping
+        assert float(step) == pytest.approx(max_grad_norm, rel=1e-3)
+
+
+def test_tensorboard_false_writes_no_events_and_config_reaches_the_checkpoint(
+    tmp_path: Path,
+) -> None:
+    run(tmp_path / "on", 1)
+    assert list((tmp_path / "on" / "tensorboard").glob("events.out.tfevents.*"))
+    _, result = run(tmp_path / "off", 1, tensorboard=False, config={"lr": 0.5, "task": "x"})
+    assert not (tmp_path / "off" / "tensorboard").exists()
+    state = json.loads((result.checkpoint / "state.json").read_text())
+    assert state["extra"]["config"] == {"lr": 0.5, "task": "x"}

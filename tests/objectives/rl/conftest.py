@@ -116,17 +116,25 @@ class ScriptedSource:
         version: int | None = None,
         length: int = 3,
         truncation: str | None = None,
+        support: int | None = None,
     ) -> None:
+        """Resolve ``key``'s session; ``support``: each sampled token comes with that
+        many support ids (filtered sampling), itself first."""
         s = self.sessions[key]
         v = self.start_versions[key] if version is None else version
         calls = []
         if status in (Status.COMPLETED, Status.AGENT_ERROR, Status.TRUNCATED):
+            completion = [20 + (i % 50) for i in range(length)]
+            rows = None
+            if support is not None:
+                rows = [[t + j for j in range(support)] for t in completion]
             calls = [
                 Call(
                     prompt=[10, 11, 12],
-                    completion=[20 + (i % 50) for i in range(length)],
+                    completion=completion,
                     log_probs=[-1.0] * length,
                     version=v,
+                    support=rows,
                 )
             ]
         if status is Status.TRUNCATED and truncation is None:

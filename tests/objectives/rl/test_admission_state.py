@@ -22,6 +22,7 @@ from hypothesis.stateful import (
 from dew.core import Call, Rollout, RolloutKey, Status, Task
 from dew.objectives.rl.admission import Admission, Cancel, Start
 from dew.objectives.rl.config import SchedulerConfig
+from dew.objectives.rl.truncation import truncation_policy
 
 CANCELLING = {"surplus", "abandoned", "dropped", "cancelled:stale", "reopened", "closed"}
 
@@ -212,6 +213,14 @@ class AdmissionMachine(RuleBasedStateMachine):
             for r in group:
                 assert r.key.group == gid
                 assert self.updates - r.oldest_version <= self.adm.config.max_lag
+                # Only what may be trained on is handed over: a finished rollout with its
+                # reward, or a truncated one the truncation policy admits.
+                assert r.status not in (Status.INFRA_ERROR, Status.CANCELLED), r
+                if r.status in (Status.COMPLETED, Status.AGENT_ERROR):
+                    assert r.reward is not None, r
+                if r.status is Status.TRUNCATED:
+                    policy = truncation_policy(self.adm.config.truncation)
+                    assert policy(r).resubmit is None, r
                 assert self.adm.audit is not None and self.adm.audit[r.key] == "consumed"
             self.packed_groups.add(gid)
         self.collect()

@@ -566,6 +566,44 @@ def test_metrics_report_mismatch_importance_and_clipping() -> None:
     assert metrics["ratio_mean"] == pytest.approx(math.exp(0.5), rel=1e-5)
 
 
+@pytest.mark.parametrize(
+    "knobs", [{"clip": 0.05}, {"clip_high": 0.6}, {"importance_cap": 1.2}, {"temperature": 0.7}]
+)
+def test_each_knob_of_the_objective_changes_its_loss_as_the_formula_says(knobs: dict) -> None:
+    # The ratios and behavior weights straddle every bound: a knob the objective did
+    # not pass on to decoupled_ppo_loss (or the log-probs) would leave its loss at the
+    # default's value.
+    model = sharp_model("qwen2")
+    batch = loss_batch(model, seed=11)
+    with torch.no_grad():
+        current = GRPOObjective().packed_log_probs(model, batch).numpy()
+    cells = np.arange(current.size).reshape(current.shape)
+    batch["proximal_log_probs"] = (current - np.where(cells % 3 == 0, 0.4, -0.3)).astype(
+        np.float32
+    )  # ratios e^0.4 (beyond 1 + 0.2, within 1 + 0.6) and e^-0.3
+    log_w = np.where(cells % 2 == 0, 0.5, -0.2)  # weights e^0.5 (above 1.2, under 2) and below 1
+    batch["behavior_log_probs"] = (batch["proximal_log_probs"] - log_w).astype(np.float32)
+    batch["advantages"] = np.where(cells % 5 < 2, -1.5, 1.0).astype(np.float32)
+    default = GRPOObjective()
+    changed = GRPOObjective(**knobs)
+    with torch.no_grad():
+        base, _ = default.loss(model, batch)
+        loss, _ = changed.loss(model, batch)
+        per_token, _ = decoupled_ppo_loss(
+            changed.packed_log_probs(model, batch),
+            torch.from_numpy(batch["proximal_log_probs"]),
+            torch.from_numpy(batch["behavior_log_probs"]),
+            torch.from_numpy(batch["advantages"]),
+            torch.from_numpy(batch["loss_mask"]),
+            clip=changed.clip,
+            clip_high=changed.clip_high,
+            cap=changed.importance_cap,
+        )
+    rows, width = batch["tokens"].shape
+    assert float(loss) == pytest.approx(float(per_token.sum()) / (rows * width), rel=1e-6)
+    assert abs(float(loss) - float(base)) > 1e-4, (knobs, float(loss), float(base))
+
+
 # --------------------------------------------------------------------------- bad input
 
 

@@ -6,6 +6,8 @@ import inspect
 import re
 from pathlib import Path
 
+import pytest
+
 import dew.objectives.rl as rl
 from dew.objectives.rl import scheduler
 
@@ -65,7 +67,16 @@ def test_rollout_scheduler_signature() -> None:
         assert sig.parameters[name].default == default, name
     assert sig.parameters["width"].default is inspect.Parameter.empty
     assert sig.parameters["rows"].default is inspect.Parameter.empty
-    assert all(callable(getattr(scheduler.RolloutScheduler, m)) for m in ("tasks", "close"))
+    methods = {
+        "tasks": ["self", "dataset"],
+        "close": ["self"],
+        "__call__": ["self", "variables", "batch", "updates"],
+    }
+    for method, names in methods.items():
+        params = inspect.signature(getattr(scheduler.RolloutScheduler, method)).parameters
+        assert list(params) == names, method
+    updates = inspect.signature(scheduler.RolloutScheduler.__call__).parameters["updates"]
+    assert updates.kind is updates.KEYWORD_ONLY and updates.default is inspect.Parameter.empty
 
 
 def test_scheduler_record_fields() -> None:
@@ -77,7 +88,10 @@ def test_scheduler_record_fields() -> None:
 def test_matches_reference_page_when_present() -> None:
     """Cross-check against the reference text itself where the checkout has it beside."""
     if not REFERENCE.exists():
-        return  # the written-out contract above is the check on such a machine
+        # A clean clone has no ../shared beside it (the page is not copied into the
+        # project); the written-out contract above is checked everywhere. Skipped, not
+        # passed: the summary shows the cross-check did not run.
+        pytest.skip(f"the reference page is not at {REFERENCE}")
     text = REFERENCE.read_text()
     block = re.search(r"class RolloutScheduler\((.*?)\)\n", text, re.S)
     assert block is not None

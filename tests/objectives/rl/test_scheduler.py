@@ -25,6 +25,10 @@ from .conftest import WAIT, RecordingPublisher, ScriptedSource, task_dataset
 
 pytestmark = pytest.mark.timeout(60)
 
+# A rollout timeout that must fire once, while the test then beats it on the next
+# attempt: long enough that a loaded machine still does (a slow pass, not a failure).
+TIMEOUT = 2.0
+
 
 @pytest.fixture(scope="module")
 def model() -> torch.nn.Module:
@@ -345,7 +349,7 @@ def test_running_rollout_past_the_bound_is_cancelled_first(make, source, trainer
 
 
 def test_timeout_cancels_and_resubmits_as_failed_attempt(make, source, trainer, model) -> None:
-    s = make(ahead=0, max_lag=0, groups=1, timeout=0.2, max_attempts=3)
+    s = make(ahead=0, max_lag=0, groups=1, timeout=TIMEOUT, max_attempts=3)
     stream = Prefetch(s.tasks(task_dataset(batch_size=1)).stream(), depth=0)
     fut = trainer(s, model, next(stream), updates=0)
     source.wait_started(1)
@@ -359,7 +363,7 @@ def test_timeout_cancels_and_resubmits_as_failed_attempt(make, source, trainer, 
 
 
 def test_timeout_enforced_while_trainer_trains(make, source, trainer, model) -> None:
-    s = make(ahead=1, max_lag=1, groups=1, timeout=0.2)
+    s = make(ahead=1, max_lag=1, groups=1, timeout=TIMEOUT)
     stream = Prefetch(s.tasks(task_dataset(batch_size=1)).stream(), depth=1)
     fut = trainer(s, model, next(stream), updates=0)
     source.wait_started(2)
@@ -565,7 +569,7 @@ def test_close_cancels_in_flight_and_refuses_calls(make, source, trainer, model)
 
 def test_late_superseded_result_is_ignored(make, source, trainer, model) -> None:
     source.resolve_on_cancel = False  # cancelled sessions report later, as real ones may
-    s = make(ahead=0, max_lag=0, groups=1, timeout=0.2)
+    s = make(ahead=0, max_lag=0, groups=1, timeout=TIMEOUT)
     stream = Prefetch(s.tasks(task_dataset(batch_size=1)).stream(), depth=0)
     fut = trainer(s, model, next(stream), updates=0)
     source.wait_started(2)  # the first attempt timed out and was resubmitted
@@ -602,6 +606,58 @@ def test_packing_order_cut_and_rescoring(make, source, trainer, model) -> None:
     assert rec.metrics["bias/cut_len"] == 10.0
 
 
+def ten_times_reward(rewards: np.ndarray, trained: np.ndarray) -> np.ndarray:
+    return np.where(trained, 10.0 * rewards, 0.0)
+
+
+@pytest.mark.parametrize("estimator", ["group", "group_std", "rloo", ten_times_reward])
+def test_the_estimator_sets_the_packed_advantages(make, source, trainer, model, estimator) -> None:
+    # Rewards 1, 0, 0.5: every estimator gives its own advantages (group: +-0.5, 0;
+    # group_std: +-1.22, 0; rloo: +-0.75, 0; the user's: 10, 0, 5). A scheduler that
+    # packed with another estimator than the one it was given would not match.
+    from dew.objectives.rl.estimators import advantages
+
+    s = make(ahead=0, max_lag=0, groups=3, estimator=estimator)
+    stream = Prefetch(s.tasks(task_dataset(batch_size=1)).stream(), depth=0)
+    fut = trainer(s, model, next(stream), updates=0)
+    source.wait_started(3)
+    rewards = [1.0, 0.0, 0.5]
+    for key, reward in zip(source.order, rewards, strict=True):
+        source.finish(key, reward=reward, length=3)
+    out = fut.result(WAIT)
+    want = advantages(estimator, np.array(rewards), np.ones(3, dtype=bool))
+    assert len(set(np.round(want, 6))) == 3  # the three rewards tell apart
+    trained = out["advantages"][out["loss_mask"] > 0]  # 3 completion tokens a rollout
+    np.testing.assert_allclose(np.sort(trained), np.sort(np.repeat(want, 3)), rtol=1e-5)
+
+
+def test_support_capacity_packs_the_support_of_filtered_sampling(
+    make, source, trainer, model
+) -> None:
+    # Two rollouts of 3 tokens, each token with 4 support ids: 24 ids fit the 32 a
+    # row holds. The rescored log-probs are renormalized over those ids.
+    s = make(ahead=0, max_lag=0, groups=2, rows=2, width=16, support_capacity=32)
+    stream = Prefetch(s.tasks(task_dataset(batch_size=1)).stream(), depth=0)
+    fut = trainer(s, model, next(stream), updates=0)
+    source.wait_started(2)
+    source.finish(source.order[0], reward=1.0, support=4)
+    source.finish(source.order[1], reward=0.0, support=4)
+    out = fut.result(WAIT)
+    assert out["support"].shape == (2, 32)
+    assert int((out["support"] >= 0).sum()) == 2 * 3 * 4
+    with torch.no_grad():
+        fresh = GRPOObjective().packed_log_probs(model, out).numpy()
+        whole = (
+            GRPOObjective()
+            .packed_log_probs(model, {k: v for k, v in out.items() if not k.startswith("support")})
+            .numpy()
+        )
+    np.testing.assert_allclose(out["proximal_log_probs"], fresh, atol=1e-6)
+    trained = out["loss_mask"] > 0
+    # Over 4 ids instead of the whole vocabulary: every trained log-prob is higher.
+    assert np.all(out["proximal_log_probs"][trained] > whole[trained])
+
+
 def test_record_fields(make, source, trainer, model) -> None:
     s = make(ahead=0, max_lag=0, groups=2)
     stream = Prefetch(s.tasks(task_dataset(batch_size=1)).stream(), depth=0)
@@ -614,7 +670,7 @@ def test_record_fields(make, source, trainer, model) -> None:
     assert list(s.history) == [rec]
     assert (rec.updates, rec.version, rec.lag, rec.groups) == (0, 0, 0, 1)
     assert rec.cancelled == 0 and rec.abandoned == 0 and rec.cut == 0
-    assert rec.waited >= 0
+    assert 0 < rec.waited < WAIT  # the call waited for the two rollouts the test finished
     m = rec.metrics
     assert m["reward/mean"] == 0.5 and m["merge_ratio"] == 1.0
     assert m["status/completed"] == 1.0 and m["trained_tokens"] == 6
