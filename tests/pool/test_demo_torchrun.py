@@ -126,6 +126,7 @@ def test_a_stopped_demo_process_is_named_by_the_other_within_a_minute(tmp_path: 
         waited = time.monotonic() - stopped
         output = log_path.read_text()
         assert not _alive(workers[0]), f"rank 0 still waiting after {waited:.0f} s"
+        print(f"rank 0 named the stopped rank after {waited:.1f} s")
         assert 25 < waited < 60, (waited, output[-4000:])
         assert "rank 1 of 2 has not beaten for 30 s" in output, output[-4000:]
     finally:
