@@ -22,9 +22,10 @@ A process that leaves the pool writes ``closed`` as its beat: it is gone, not hu
 Invariants:
 
 * :class:`HangWatch`, the bookkeeping, is a plain state machine fed observations; it
-  owns no thread and reads no clock. A rank is named hung only after its counter has
-  not changed for ``hang_after`` seconds of observations, so a process that beats at
-  least once every ``hang_after`` seconds is never named.
+  owns no thread and reads no clock. A rank is named hung only once its counter has
+  looked unchanged for ``hang_after`` seconds of observations; a change is seen at
+  most one look late, so a process that beats at least once every ``hang_after``
+  minus one look interval is never named (a live one beats every tenth of it).
 * :class:`Heartbeat` owns exactly one thread, started by :meth:`Heartbeat.start` and
   joined by :meth:`Heartbeat.close`; it talks to the store through its own client
   (``store.clone()``), never the training thread's. Store errors in the thread are
