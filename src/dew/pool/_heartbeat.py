@@ -228,7 +228,7 @@ class Heartbeat:
             hung = dict(self._watch.hung)
             closed = set(self._watch.closed)
         causes = {
-            r: f"has not beaten for {s:.0f} s: hung or stopped (its heartbeat, a "
+            r: f"has not beaten for {s:.0f} s: dead, hung or stopped (its heartbeat, a "
             "thread that runs whatever the process is doing, went silent)"
             for r, s in hung.items()
         }
@@ -300,7 +300,7 @@ class Heartbeat:
     def _found(self, new: dict[int, float]) -> None:
         for r, silent in new.items():
             logger.error(
-                "rank %d: rank %d of %d has not beaten for %.0f s: hung or stopped",
+                "rank %d: rank %d of %d has not beaten for %.0f s: dead, hung or stopped",
                 self.rank,
                 r,
                 self.world,
