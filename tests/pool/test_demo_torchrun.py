@@ -130,5 +130,9 @@ def test_a_stopped_demo_process_is_named_by_the_other_within_a_minute(tmp_path: 
         assert 25 < waited < 60, (waited, output[-4000:])
         assert "rank 1 of 2 has not beaten for 30 s" in output, output[-4000:]
     finally:
-        os.killpg(proc.pid, signal.SIGKILL)  # the stopped rank too: SIGKILL ends it
+        # torchrun starts each worker in a session of its own: killing the launcher's
+        # group leaves them, the stopped one forever. Each is killed by its pid.
+        for pid in _workers(proc.pid).values():
+            os.kill(pid, signal.SIGKILL)
+        os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
