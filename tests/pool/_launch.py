@@ -63,9 +63,13 @@ def _env(extra: dict[str, str]) -> dict[str, str]:
     return env
 
 
-def _log(out: Path, name: str) -> Any:
-    # A file, not a pipe: a chatty worker must never block on a full pipe buffer.
-    return (out / name).open("w")
+def _spawn(cmd: list[str], out: Path, log: str, env: dict[str, str]) -> subprocess.Popen[str]:
+    """Start ``cmd`` in a session of its own, its output to ``out/log`` (a file, not a
+    pipe: a chatty worker must never block on a full pipe buffer)."""
+    with (out / log).open("w") as f:
+        return subprocess.Popen(
+            cmd, stdout=f, stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True
+        )
 
 
 def _collect(
@@ -132,16 +136,7 @@ def torchrun(n: int, config: dict[str, Any], out: Path, *, timeout: float = 120.
     path = _config(out, config)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
     cmd += [f"--nproc-per-node={n}", str(WORKER), str(path)]
-    with _log(out, "log.txt") as log:
-        proc = subprocess.Popen(
-            cmd,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            text=True,
-            env=_env({}),
-            start_new_session=True,
-        )
-    return _collect([proc], out, n, timeout)
+    return _collect([_spawn(cmd, out, "log.txt", _env({}))], out, n, timeout)
 
 
 def direct(
@@ -174,17 +169,7 @@ def direct(
                     "TORCHELASTIC_USE_AGENT_STORE": "True",
                 }
             )
-            with _log(out, f"log{r}.txt") as log:
-                procs.append(
-                    subprocess.Popen(
-                        [sys.executable, str(WORKER), str(path)],
-                        stdout=log,
-                        stderr=subprocess.STDOUT,
-                        text=True,
-                        env=env,
-                        start_new_session=True,
-                    )
-                )
+            procs.append(_spawn([sys.executable, str(WORKER), str(path)], out, f"log{r}.txt", env))
         return _collect(procs, out, n, timeout, wait)
     finally:
         for p in procs:
@@ -197,15 +182,7 @@ def direct(
 def single(config: dict[str, Any], out: Path, *, timeout: float = 120.0) -> dict[str, Any]:
     """The worker as one plain process without a pool (``single``); its report."""
     path = _config(out, {**config, "single": True})
-    with _log(out, "log-single.txt") as log:
-        proc = subprocess.Popen(
-            [sys.executable, str(WORKER), str(path)],
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            text=True,
-            env=_env({}),
-            start_new_session=True,
-        )
+    proc = _spawn([sys.executable, str(WORKER), str(path)], out, "log-single.txt", _env({}))
     try:
         proc.wait(timeout=timeout)
     finally:

@@ -13,7 +13,6 @@ from __future__ import annotations
 import os
 import signal
 import socket
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -21,13 +20,37 @@ from typing import Any
 
 import pytest
 
-from tests.pool._launch import WORKER, Run, _alive, _collect, _config, _env, _log, direct
+from tests.pool._launch import WORKER, Run, _alive, _collect, _config, _env, _spawn, direct
 
 HANG = 4.0  # the heartbeat bound these tests run with, seconds
 # How late a survivor may be after the bound: the bound itself, a tenth for the
 # heartbeat's tick, a second for the round's poll, then leaving the pool; generous for
 # a loaded 2-core machine.
 SLACK = 25.0
+
+
+def stopped(kind: str) -> dict[str, Any]:
+    """Rank 1 SIGSTOPs itself (``kind``: ``stop`` or ``stop_in_step``) at call 2; every
+    other bound far beyond the heartbeat's, so only the heartbeat can name it in time."""
+    return {
+        "steps": 4,
+        "agree_timeout": 300.0,
+        "pg_timeout": 300.0,
+        "hang_timeout": HANG,
+        "fail": {"rank": 1, "kind": kind, "at_version": 2},
+    }
+
+
+def slowed(kind: str, seconds: float) -> dict[str, Any]:
+    """Rank 1 is slow but alive for ``seconds`` (``kind``: ``slow`` or ``slow_in_step``)
+    from call 1; the other bounds leave room for it."""
+    return {
+        "steps": 3,
+        "agree_timeout": 120.0,
+        "pg_timeout": 120.0,
+        "hang_timeout": HANG,
+        "fail": {"rank": 1, "kind": kind, "at_version": 1, "seconds": seconds},
+    }
 
 
 def _named_hung(run: Run, survivors: list[int], hung: int, world: int) -> None:
@@ -48,13 +71,7 @@ def _named_hung(run: Run, survivors: list[int], hung: int, world: int) -> None:
 def test_a_process_stopped_inside_the_step_is_named_hung_by_the_others(tmp_path: Path) -> None:
     # The survivor is blocked in FSDP2's collectives with the stopped rank: only
     # shutting down its connections to it frees it before the 300 s group timeout.
-    config = {
-        "steps": 4,
-        "agree_timeout": 300.0,
-        "pg_timeout": 300.0,
-        "hang_timeout": HANG,
-        "fail": {"rank": 1, "kind": "stop_in_step", "at_version": 2},
-    }
+    config = stopped("stop_in_step")
     run = direct(2, config, tmp_path, wait=[0], timeout=120)
     assert run.returncodes[0] == 3, run.output
     _named_hung(run, [0], 1, 2)
@@ -70,13 +87,7 @@ def test_a_process_stopped_in_its_rollouts_is_named_by_every_other_rank(tmp_path
     # Three processes, the stop at any moment of a rank's rollouts: the survivors wait
     # for it in the agreement round, or (when its rollouts run ahead of the call it
     # agreed on) in the step's collectives; both name it, and only it.
-    config = {
-        "steps": 4,
-        "agree_timeout": 300.0,
-        "pg_timeout": 300.0,
-        "hang_timeout": HANG,
-        "fail": {"rank": 1, "kind": "stop", "at_version": 2},
-    }
+    config = stopped("stop")
     run = direct(3, config, tmp_path, wait=[0, 2], timeout=160)
     assert run.returncodes[0] == 3 and run.returncodes[2] == 3, run.output
     _named_hung(run, [0, 2], 1, 3)
@@ -90,13 +101,7 @@ def test_a_slow_but_live_process_is_waited_for(tmp_path: Path, kind: str) -> Non
     # agreement round) or in the step (they wait inside the collectives): the run
     # finishes as if nothing happened.
     seconds = 3 * HANG
-    config = {
-        "steps": 3,
-        "agree_timeout": 120.0,
-        "pg_timeout": 120.0,
-        "hang_timeout": HANG,
-        "fail": {"rank": 1, "kind": kind, "at_version": 1, "seconds": seconds},
-    }
+    config = slowed(kind, seconds)
     run = direct(2, config, tmp_path, timeout=160)
     assert run.leftover == [], run.output
     assert run.returncodes == [0, 0], run.output
@@ -126,17 +131,7 @@ def _two_launches(config: dict[str, Any], out: Path, *, reports: list[int], time
             cmd += ["--nproc-per-node=1", "--rdzv-backend=c10d", "--rdzv-id=dew-hang-test"]
             cmd += [f"--rdzv-endpoint=127.0.0.1:{port}", "--max-restarts=0"]
             cmd += [str(WORKER), str(path)]
-            with _log(out, f"log-node{node}.txt") as log:
-                procs.append(
-                    subprocess.Popen(
-                        cmd,
-                        stdout=log,
-                        stderr=subprocess.STDOUT,
-                        text=True,
-                        env=_env({}),
-                        start_new_session=True,
-                    )
-                )
+            procs.append(_spawn(cmd, out, f"log-node{node}.txt", _env({})))
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if all((out / f"rank{r}.json").exists() for r in reports):
@@ -158,33 +153,21 @@ def _two_launches(config: dict[str, Any], out: Path, *, reports: list[int], time
 def test_two_launches_a_stopped_process_is_named_hung(tmp_path: Path) -> None:
     # No torchrun agent watches the other launch's process: the heartbeat alone
     # frees the survivor, which is blocked in the step's collectives.
-    config = {
-        "steps": 4,
-        "agree_timeout": 300.0,
-        "pg_timeout": 300.0,
-        "hang_timeout": HANG,
-        "fail": {"rank": 1, "kind": "stop_in_step", "at_version": 2},
-    }
+    config = stopped("stop_in_step")
     run = _two_launches(config, tmp_path, reports=[0], timeout=150)
     _named_hung(run, [0], 1, 2)
-    stopped = int((tmp_path / "pid1").read_text())
+    pid = int((tmp_path / "pid1").read_text())
     deadline = time.monotonic() + 30.0  # SIGKILLed by the cleanup; gone once it is reaped
-    while _alive(stopped) and time.monotonic() < deadline:
+    while _alive(pid) and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert not _alive(stopped), "the stopped process was left behind"
+    assert not _alive(pid), "the stopped process was left behind"
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(200)
 def test_two_launches_a_slow_but_live_step_is_waited_for(tmp_path: Path) -> None:
     seconds = 3 * HANG
-    config = {
-        "steps": 3,
-        "agree_timeout": 120.0,
-        "pg_timeout": 120.0,
-        "hang_timeout": HANG,
-        "fail": {"rank": 1, "kind": "slow_in_step", "at_version": 1, "seconds": seconds},
-    }
+    config = slowed("slow_in_step", seconds)
     run = _two_launches(config, tmp_path, reports=[0, 1], timeout=150)
     assert sorted(run.ranks) == [0, 1], run.output
     for r in (0, 1):
