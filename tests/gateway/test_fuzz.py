@@ -15,6 +15,7 @@ from dew.core import Rollout, RolloutKey, SamplingParams, Status, Task
 from dew.demo.model import make_model, make_tokenizer
 from dew.gateway import RecordingGateway
 from dew.serving import RolloutServer
+from tests._fuzz import json_values
 
 TOK = make_tokenizer()
 LIMIT = 2048
@@ -45,17 +46,6 @@ def http() -> Iterator[httpx.Client]:
         yield h
 
 
-json_values = st.recursive(
-    st.none()
-    | st.booleans()
-    | st.floats(allow_nan=True, allow_infinity=True)
-    | st.integers(min_value=-(10**30), max_value=10**30)
-    | st.text(max_size=10),
-    lambda children: (
-        st.lists(children, max_size=3) | st.dictionaries(st.text(max_size=6), children, max_size=3)
-    ),
-    max_leaves=8,
-)
 field_names = st.sampled_from(
     [
         "model",

@@ -19,6 +19,7 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from dew.serving._http_common import GenerateBody, SamplingBody
+from tests._fuzz import json_values
 
 from ._launch import Served, serve
 
@@ -48,17 +49,6 @@ def http(served: Served) -> Iterator[httpx.Client]:
         yield client
 
 
-json_values = st.recursive(
-    st.none()
-    | st.booleans()
-    | st.floats(allow_nan=True, allow_infinity=True)
-    | st.integers(min_value=-(10**30), max_value=10**30)
-    | st.text(max_size=10),
-    lambda children: (
-        st.lists(children, max_size=3) | st.dictionaries(st.text(max_size=6), children, max_size=3)
-    ),
-    max_leaves=8,
-)
 huge = st.sampled_from([2**31, 2**63, 10**20, -1, 0, -(2**63), 10**400])
 id_lists = st.lists(st.integers(-5, 10**6), max_size=40)
 # The models' own field names: a field added to the schema is fuzzed without an edit here.
