@@ -7,6 +7,7 @@ import os
 import sys
 import textwrap
 import threading
+import time
 from collections.abc import Hashable, Iterator
 from concurrent.futures import Future
 from pathlib import Path
@@ -276,6 +277,54 @@ def test_harness_and_verifier_are_validated(gateway):
         HarnessSource(gateway, ["true"], length_verifier, timeout=0)
 
 
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("workers", [1, 2])
+def test_workers_bounds_how_many_harnesses_run_at_once(gateway, workers):
+    gate = threading.Event()
+    entered: list[str] = []
+    cond = threading.Condition()
+
+    def held(task: Task, ep: HarnessEndpoint) -> str:
+        with cond:
+            entered.append(task.id)
+            cond.notify_all()
+        assert gate.wait(WAIT)
+        return ask(ep, turns=1)
+
+    with HarnessSource(gateway, held, length_verifier, workers=workers) as src:
+        sessions = [src.start(TASK, RolloutKey(0, i, 0)) for i in range(2)]
+        with cond:
+            assert cond.wait_for(lambda: len(entered) >= workers, WAIT)
+            # With one worker the second harness must not begin while the first is
+            # held; a source that ignored the bound would start it within this wait.
+            assert cond.wait_for(lambda: len(entered) >= 2, 0.5) == (workers == 2)
+        gate.set()
+        rollouts = [session.result(WAIT) for session in sessions]
+    assert [r.status for r in rollouts] == [Status.COMPLETED] * 2 and len(entered) == 2
+
+
+@pytest.mark.timeout(120)
+def test_tasks_hands_the_harness_and_verifier_the_full_task(gateway):
+    full = Task("3", {"question": "What is 1+2?", "answer": "3"})
+    seen: list[tuple[str, Task]] = []
+
+    def harness(task: Task, ep: HarnessEndpoint) -> str:
+        seen.append(("harness", task))
+        return ask(ep, turns=1)
+
+    def verifier(task: Task, outcome: HarnessOutcome) -> float:
+        seen.append(("verifier", task))
+        return 1.0
+
+    with HarnessSource(gateway, harness, verifier, tasks={"3": full}) as src:
+        # The scheduler's tasks carry only the id; the source looks the rest up.
+        rollout = src.start(Task("3"), KEY).result(WAIT)
+        assert rollout.status is Status.COMPLETED and rollout.task.id == "3"
+        assert seen == [("harness", full), ("verifier", full)]
+        with pytest.raises(ValueError, match=r"attempt=0\): task id '9' is not in this source"):
+            src.start(Task("9"), RolloutKey(0, 1, 0)).result(WAIT)
+
+
 # --------------------------------------------------------------------------- subprocesses
 
 AGENT = textwrap.dedent("""
@@ -385,9 +434,15 @@ def test_cancel_terminates_the_subprocess_then_kills_it(gateway, spy, script, tm
     ) as src:
         session = src.start(task(mode), RolloutKey(0, 0, 0))
         assert spy.wait_entered(1)  # its first (long) call is generating
+        began = time.monotonic()
         session.cancel()
         r = session.result(WAIT)
+        took = time.monotonic() - began
     assert r.status is Status.CANCELLED
+    if mode == "stubborn":
+        # It ignores SIGTERM, so it dies by SIGKILL once grace=0.5 has passed: never
+        # sooner, and well before the default grace of 5 s would have let it live.
+        assert 0.5 <= took < 4.5, took
     assert spy.wait_errors(1) and isinstance(spy.errors[0], Aborted)
     pids = [int(p) for p in pid_file.read_text().split()]
     assert len(pids) == (2 if mode == "stubborn" else 1)

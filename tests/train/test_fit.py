@@ -186,6 +186,23 @@ def test_the_reader_stays_ahead_by_the_rollouts_ahead(tmp_path: Path) -> None:
     assert r.seen_at_call == [3, 4, 5]  # call n sees batches 0..n+2 read
 
 
+def test_prefetch_deeper_than_ahead_reads_that_far_ahead() -> None:
+    r = AheadRollout(ahead=2)
+    model, opt = parts()
+    fit(model, opt, dataset(), r, GRPOObjective(), steps=3, prefetch=4)
+    assert r.seen_at_call == [5, 6, 7]  # call n sees batches 0..n+4 read, not n+2
+
+
+def test_keep_sets_how_many_checkpoints_stay(tmp_path: Path) -> None:
+    for keep, left in [
+        (1, ["step-00000003"]),
+        (3, ["step-00000001", "step-00000002", "step-00000003"]),
+    ]:
+        run(tmp_path / str(keep), 3, checkpoint_every=1, keep=keep)
+        names = [p.name for p in _checkpoint.checkpoints(tmp_path / str(keep) / "checkpoints")]
+        assert names == left, keep
+
+
 def test_bad_arguments_are_refused(tmp_path: Path) -> None:
     model, opt = parts()
     args = (model, opt, dataset(), rollout, GRPOObjective())

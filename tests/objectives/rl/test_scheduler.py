@@ -158,6 +158,29 @@ def test_task_ids_builds_decimal_ids() -> None:
         task_ids({"task_id": np.array([1.5])})
 
 
+def test_tasks_turns_each_batch_into_the_sources_tasks(make, source, trainer, model) -> None:
+    # A tasks function of the caller's: the source sees its tasks (ids and data), each
+    # group's samples share the task, and the trained ids are its ids, not task_ids'.
+    def lettered(batch: Any) -> list[Task]:
+        return [Task(f"q{int(i)}", {"n": int(i) * 10}) for i in batch["task_id"]]
+
+    s = make(ahead=0, max_lag=0, groups=2, tasks=lettered)
+    stream = Prefetch(s.tasks(task_dataset()).stream(), depth=0)
+    batch = next(stream)
+    fut = trainer(s, model, batch, updates=0)
+    source.wait_started(4)
+    ids = [int(i) for i in batch["task_id"]]
+    by_group: dict[int, list[Task]] = {}
+    for key in source.order:
+        by_group.setdefault(key.group, []).append(source.sessions[key].task)
+    assert sorted(by_group.values(), key=lambda tasks: tasks[0].id) == [
+        [Task(f"q{i}", {"n": i * 10})] * 2 for i in ids
+    ]
+    source.finish_all()
+    fut.result(WAIT)
+    assert s.last_tasks["trained"] == [f"q{i}" for i in ids]
+
+
 # ---------------------------------------------------------------- synchronous and ahead
 
 
@@ -659,15 +682,16 @@ def test_support_capacity_packs_the_support_of_filtered_sampling(
 
 
 def test_record_fields(make, source, trainer, model) -> None:
-    s = make(ahead=0, max_lag=0, groups=2)
+    logged: list[SchedulerRecord] = []
+    s = make(ahead=0, max_lag=0, groups=2, log=logged.append)
     stream = Prefetch(s.tasks(task_dataset(batch_size=1)).stream(), depth=0)
     fut = trainer(s, model, next(stream), updates=0)
     source.wait_started(2)
     source.finish(source.order[0], reward=1.0)
     source.finish(source.order[1], reward=0.0)
     fut.result(WAIT)
-    rec = make.records[-1]
-    assert list(s.history) == [rec]
+    rec = logged[-1]
+    assert list(s.history) == logged == [rec]  # one record per call, to the given log
     assert (rec.updates, rec.version, rec.lag, rec.groups) == (0, 0, 0, 1)
     assert rec.cancelled == 0 and rec.abandoned == 0 and rec.cut == 0
     assert 0 < rec.waited < WAIT  # the call waited for the two rollouts the test finished

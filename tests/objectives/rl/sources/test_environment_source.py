@@ -287,6 +287,33 @@ def test_bad_configuration(server: RolloutServer) -> None:
         )
 
 
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("workers", [1, 2])
+def test_workers_bounds_how_many_episodes_run_at_once(server: RolloutServer, workers: int) -> None:
+    gate = threading.Event()
+    cond = threading.Condition()
+    opened: list[str] = []
+
+    class Held(Scripted):
+        def reset(self, task: Task) -> Any:
+            with cond:
+                opened.append(task.id)
+                cond.notify_all()
+            assert gate.wait(WAIT)
+            return "start"
+
+    with source_for(server, lambda: Held([None]), workers=workers) as source:
+        sessions = [source.start(Task(str(i)), RolloutKey(0, i, 0)) for i in range(2)]
+        with cond:
+            assert cond.wait_for(lambda: len(opened) >= workers, WAIT)
+            # One worker: the second episode must not open while the first is held; a
+            # source that ignored the bound would open it within this wait.
+            assert cond.wait_for(lambda: len(opened) >= 2, 0.5) == (workers == 2)
+        gate.set()
+        rollouts = [session.result(timeout=WAIT) for session in sessions]
+    assert [r.status for r in rollouts] == [Status.COMPLETED] * 2 and sorted(opened) == ["0", "1"]
+
+
 @pytest.mark.timeout(180)
 def test_guess_environment_end_to_end(server: RolloutServer) -> None:
     with source_for(
