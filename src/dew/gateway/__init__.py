@@ -13,7 +13,7 @@ Private modules: ``_app`` (the ASGI application), ``_protocol`` (request validat
 ``_responses`` (response bodies), ``_sessions`` (the session table), ``_text``
 (between text and tokens).
 
-This package needs the ``gateway`` extra (fastapi, uvicorn, httpx, openai); nothing
+This package needs the ``gateway`` extra (starlette, uvicorn, httpx, openai); nothing
 else of dew imports it. It builds on :mod:`dew.core` only (``tests/test_layers.py``).
 """
 

@@ -34,15 +34,15 @@ import json
 import logging
 import secrets
 import threading
-from collections.abc import AsyncIterator, Callable, Collection, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Collection, Sequence
 from concurrent.futures import Executor, Future
 from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
-from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
-from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from dew.core import Call, Engine, SamplingParams, error_text
 from dew.gateway import _protocol as wire
@@ -504,15 +504,52 @@ class _Service:
         return JSONResponse(card)
 
 
-def build_app(
-    engine: Engine, tokenizer: Any, table: SessionTable, config: GatewayConfig, pool: Executor
-) -> FastAPI:
-    service = _Service(engine, tokenizer, table, config, pool)
-    app = FastAPI(docs_url=None, redoc_url=None, openapi_url=None)
+class _App:
+    """The ASGI application: four routes dispatched by method and path.
 
-    async def guarded(request: Request, kind: str) -> Response:
+    No framework sits between uvicorn and the service: the endpoints read the raw
+    request (the body under its cap, the bearer token) and answer whole responses, so
+    routing by a dict costs less per call than a stack of middleware would.
+    """
+
+    def __init__(self, service: _Service) -> None:
+        self.service = service
+        self.routes: dict[str, dict[str, Callable[[Request], Awaitable[Response]]]] = {
+            "/v1/chat/completions": {"POST": self._chat},
+            "/v1/completions": {"POST": self._completions},
+            "/v1/models": {"GET": service.models},
+        }
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":  # uvicorn runs with lifespan and websockets off
+            raise RuntimeError(f"the gateway serves HTTP only, not {scope['type']!r}")
+        request = Request(scope, receive)
+        response = await self._route(request, scope["path"], scope["method"])
+        await response(scope, receive, send)
+
+    async def _route(self, request: Request, path: str, method: str) -> Response:
+        methods = self.routes.get(path)
+        if methods is None and path.startswith(_MODEL_PREFIX) and len(path) > len(_MODEL_PREFIX):
+            model_id = path[len(_MODEL_PREFIX) :]
+            methods = {"GET": lambda r: self.service.models(r, model_id)}
+        if methods is None:
+            return _error(RequestError(404, "Not Found", code="not_found"))
+        endpoint = methods.get(method)
+        if endpoint is None:
+            response = _error(RequestError(405, "Method Not Allowed"))
+            response.headers["allow"] = ", ".join(methods)
+            return response
+        return await endpoint(request)
+
+    async def _chat(self, request: Request) -> Response:
+        return await self._guarded(request, "chat")
+
+    async def _completions(self, request: Request) -> Response:
+        return await self._guarded(request, "completion")
+
+    async def _guarded(self, request: Request, kind: str) -> Response:
         try:
-            return await service.serve(request, kind)
+            return await self.service.serve(request, kind)
         except Exception as exc:  # a gateway bug: answer 500 and say so, never crash
             log.exception("gateway failure on %s", request.url.path)
             return _error(
@@ -524,30 +561,12 @@ def build_app(
                 )
             )
 
-    @app.post("/v1/chat/completions")
-    async def chat_completions(request: Request) -> Response:
-        return await guarded(request, "chat")
 
-    @app.post("/v1/completions")
-    async def completions(request: Request) -> Response:
-        return await guarded(request, "completion")
+_MODEL_PREFIX = "/v1/models/"
 
-    @app.get("/v1/models")
-    async def list_models(request: Request) -> Response:
-        return await service.models(request)
 
-    @app.get("/v1/models/{model_id:path}")
-    async def get_model(request: Request, model_id: str) -> Response:
-        return await service.models(request, model_id)
-
-    @app.exception_handler(StarletteHTTPException)
-    async def http_error(request: Request, exc: StarletteHTTPException) -> Response:
-        return _error(
-            RequestError(
-                exc.status_code,
-                str(exc.detail),
-                code="not_found" if exc.status_code == 404 else None,
-            )
-        )
-
-    return app
+def build_app(
+    engine: Engine, tokenizer: Any, table: SessionTable, config: GatewayConfig, pool: Executor
+) -> ASGIApp:
+    """The gateway's ASGI application over ``engine``, recording into ``table``."""
+    return _App(_Service(engine, tokenizer, table, config, pool))

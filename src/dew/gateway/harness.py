@@ -84,14 +84,22 @@ class HarnessEndpoint:
     def client(self, **kwargs: Any) -> openai.OpenAI:
         """An ``openai.OpenAI`` client for this session (keyword arguments pass through).
 
-        It sends through the source's shared connection pool (building a client of
-        its own costs ~0.1 s of CPU, mostly TLS setup); closing it leaves the pool open.
+        It sends through the connections of the worker thread running the harness,
+        kept open from one rollout to the next (an HTTP client of its own would cost
+        ~0.1 s of CPU, mostly TLS setup, and a new connection); closing it leaves them
+        open.
         """
         import openai
 
         if self.http_client is not None:
             kwargs.setdefault("http_client", self.http_client)
         return openai.OpenAI(base_url=self.base_url, api_key=self.api_key, **kwargs)
+
+
+# Connections a worker thread keeps to the gateway. A harness calls from its worker
+# thread one request at a time unless it starts threads of its own; a few spare
+# connections serve those without a wait.
+_THREAD_CONNECTIONS = 4
 
 
 def _shared_http(connections: int) -> Any:
@@ -227,6 +235,11 @@ class HarnessSource(ThreadedSource):
             raise ValueError(f"timeout must be positive and finite or None, got {timeout}")
         if max_output_bytes < 0:
             raise ValueError(f"max_output_bytes must be >= 0, got {max_output_bytes}")
+        if callable(harness):
+            # A callable harness talks through ``openai``: import it now, once, rather
+            # than in the first rollouts, where every worker would wait on the import
+            # lock for the second it takes.
+            import openai  # noqa: F401
         super().__init__(workers=workers)
         self.gateway = gateway
         self.harness = harness if callable(harness) else list(harness)
@@ -237,8 +250,10 @@ class HarnessSource(ThreadedSource):
         self.cwd = cwd
         self.max_output_bytes = max_output_bytes
         self.tasks = tasks
-        self._workers = workers
-        self._http: Any = None  # built on first use, closed by close()
+        # One HTTP client per worker thread, built on its first callable run and shut
+        # down by close(): no lock or connection pool is shared by the sessions.
+        self._http = threading.local()
+        self._http_clients: list[Any] = []
         self._wake_lock = threading.Lock()
         self._wakes: dict[int, tuple[threading.Event, threading.Event]] = {}
         self._closing = False
@@ -275,15 +290,20 @@ class HarnessSource(ThreadedSource):
             w.set()
         super().close()
         with self._wake_lock:
-            http, self._http = self._http, None
-        if http is not None:
+            clients, self._http_clients = self._http_clients, []
+        for http in clients:
             http.shutdown()
 
     def _http_client(self) -> Any:
-        with self._wake_lock:
-            if self._http is None and callable(self.harness):
-                self._http = _shared_http(2 * self._workers)
-            return self._http
+        """This worker thread's HTTP client (``None`` for a subprocess harness)."""
+        if not callable(self.harness):
+            return None
+        http = getattr(self._http, "client", None)
+        if http is None:
+            http = self._http.client = _shared_http(_THREAD_CONNECTIONS)
+            with self._wake_lock:
+                self._http_clients.append(http)
+        return http
 
     def _resolve(self, task: Task, key: RolloutKey) -> Task:
         if self.tasks is None:
