@@ -22,7 +22,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from dew._net import bind, h11_with_read_timeout, is_loopback
+from dew._net import bind, http_with_read_timeout, is_loopback
 
 __all__ = ["main"]
 
@@ -181,7 +181,7 @@ def _serve(args: argparse.Namespace, api_key: str | None, stopping: list[int]) -
                 lifespan="off",
                 # A slow client (headers or body trickled) gets a 408 rather than holding
                 # its connection; past max_connections, a 503.
-                http=h11_with_read_timeout(args.read_timeout),
+                http=http_with_read_timeout(args.read_timeout),
                 limit_concurrency=args.max_connections + 1,  # uvicorn counts the new one
                 ws="none",
                 loop="asyncio",

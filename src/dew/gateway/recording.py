@@ -52,7 +52,7 @@ from typing import Any
 
 import uvicorn
 
-from dew._net import bind, h11_with_read_timeout, is_loopback
+from dew._net import bind, http_with_read_timeout, is_loopback
 from dew.core import Engine, RolloutKey, SamplingParams, Task
 from dew.gateway._app import GatewayConfig, build_app
 from dew.gateway._sessions import Limits, Recording, SessionTable
@@ -206,7 +206,7 @@ class RecordingGateway:
                 lifespan="off",
                 # A slow client (headers or body trickled) gets a 408 after read_timeout
                 # rather than holding its connection; past max_connections, a 503.
-                http=h11_with_read_timeout(self._read_timeout),
+                http=http_with_read_timeout(self._read_timeout),
                 limit_concurrency=self._max_connections + 1,  # uvicorn counts the new one
                 ws="none",
                 loop="asyncio",
