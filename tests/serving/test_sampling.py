@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 
+import pytest
 import torch
 
 from dew.serving._sampling import sample, settings
@@ -67,3 +68,21 @@ def test_same_seed_same_draws() -> None:
     a = sample(logits, rows, torch.Generator().manual_seed(7))
     b = sample(logits, rows, torch.Generator().manual_seed(7))
     assert a.tokens == b.tokens and a.log_probs == b.log_probs
+
+
+def test_top_k_alone_keeps_k_tokens_however_small_their_mass() -> None:
+    """After a dominant token the others hold ~2e-9 each, below float32 resolution of the
+    cumulative mass (it rounds to 1.0). Top-k without top-p must still keep all k, as
+    Hugging Face's top-k does; a top-p row does cut them. (The sampler used to drop them
+    because "top-p off" was a cut at mass 1.0.)"""
+    logits = torch.tensor([[20.0, 0.0, 0.0, -1.0, -2.0]] * 3)
+    rows = settings([1.0] * 3, [3, 3, None], [None, 1.0, 0.9], 5, torch.device("cpu"))
+    draw = sample(logits, rows, torch.Generator().manual_seed(0))
+    assert draw.support[0] is not None and sorted(draw.support[0]) == [0, 1, 2]
+    assert draw.support[1] is not None and sorted(draw.support[1]) == [0, 1, 2]
+    assert draw.support[2] == [0]
+    assert draw.tokens[2] == 0 and draw.log_probs[2] == 0.0
+    # the top-k rows report the log-prob renormalized over the three, not over one
+    want = torch.log_softmax(logits[0, :3], dim=0)
+    for i in (0, 1):
+        assert draw.log_probs[i] == pytest.approx(want[draw.tokens[i]].item(), rel=1e-6)

@@ -88,7 +88,10 @@ def _filter_sorted(
     keep = rank < k  # [m, V]
     probs = torch.softmax(sorted_logits.masked_fill(~keep, float("-inf")), dim=-1)  # [m, V]
     before = torch.cumsum(probs, dim=-1) - probs  # mass strictly above each rank
-    keep &= before < top_p.unsqueeze(1)
+    # Only rows with top_p < 1 cut by mass. At 1.0 (off) ``before < 1.0`` would still drop
+    # a kept rank whose preceding mass rounds to 1.0 in float32 (a token of probability
+    # below ~6e-8 after a dominant one), shrinking a top-k set below k.
+    keep &= (before < top_p.unsqueeze(1)) | (top_p >= 1.0).unsqueeze(1)
     keep[:, 0] = True
     return keep
 
