@@ -122,9 +122,7 @@ def sample(logits: torch.Tensor, rows: RowSettings, generator: torch.Generator) 
         tokens[idx] = drawn.squeeze(1)
         log_probs[idx] = logp.gather(1, drawn).squeeze(1)
 
-    counts: torch.Tensor | None = None
-    order: torch.Tensor | None = None
-    fidx: torch.Tensor | None = None
+    filtered: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # fidx, order, counts
     if rows.any_filtered:
         fidx = rows.filtered.nonzero().squeeze(1)
         sorted_logits, order = torch.sort(scaled[fidx], dim=-1, descending=True)  # [m, V]
@@ -133,7 +131,7 @@ def sample(logits: torch.Tensor, rows: RowSettings, generator: torch.Generator) 
         drawn = torch.multinomial(logp.exp(), 1, generator=generator)  # [m, 1] sorted positions
         tokens[fidx] = order.gather(1, drawn).squeeze(1)
         log_probs[fidx] = logp.gather(1, drawn).squeeze(1)
-        counts = keep.sum(dim=1)  # [m]
+        filtered = (fidx, order, keep.sum(dim=1))  # [m], [m, V], [m]
 
     if rows.any_greedy:
         gidx = rows.greedy.nonzero().squeeze(1)
@@ -144,7 +142,8 @@ def sample(logits: torch.Tensor, rows: RowSettings, generator: torch.Generator) 
     if rows.any_greedy:
         for i in rows.greedy.nonzero().squeeze(1).tolist():
             support[i] = [token_list[i]]
-    if counts is not None and order is not None and fidx is not None:
+    if filtered is not None:
+        fidx, order, counts = filtered
         order_cpu = order.cpu()
         for j, (i, c) in enumerate(zip(fidx.tolist(), counts.tolist(), strict=True)):
             support[i] = order_cpu[j, :c].tolist()
