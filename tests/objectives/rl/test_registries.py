@@ -2,11 +2,18 @@
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import pytest
 
 from dew.core import Call, Rollout, RolloutKey, Status, Task
-from dew.objectives.rl.estimators import advantage_estimator, estimator_name
+from dew.objectives.rl.estimators import (
+    ESTIMATORS,
+    advantage_estimator,
+    advantages,
+    estimator_name,
+)
 from dew.objectives.rl.pack import pack
 from dew.objectives.rl.truncation import Truncation, policy_name, truncation_policy
 
@@ -78,3 +85,59 @@ def test_anything_else_is_refused_naming_the_knob(value: object) -> None:
         advantage_estimator(value)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match=r"truncation=.* is not one of \['mask'"):
         truncation_policy(value)  # type: ignore[arg-type]
+
+
+# --------------------------------------------------------------------------- built-in estimators
+
+REWARDS = np.array([1.0, 0.0, 0.5, 3.0])
+TRAINED = np.array([True, True, True, False])  # the last one (reward 3) stays out
+
+
+def test_group_subtracts_the_trained_mean_and_zeroes_the_rest() -> None:
+    group = ESTIMATORS["group"]
+    assert group(REWARDS, TRAINED).tolist() == [0.5, -0.5, 0.0, 0.0]  # mean 0.5
+    one = np.array([False, True, False, False])
+    assert group(REWARDS, one).tolist() == [0.0, 0.0, 0.0, 0.0]  # its own baseline
+    # nobody trains: zeros, without numpy's empty-mean warning (an error under pytest)
+    assert group(REWARDS, np.zeros(4, bool)).tolist() == [0.0, 0.0, 0.0, 0.0]
+
+
+def test_group_std_divides_by_the_trained_population_std() -> None:
+    group_std = ESTIMATORS["group_std"]
+    std = math.sqrt((0.5**2 + 0.5**2 + 0.0) / 3)  # population std of [1, 0, 0.5]
+    expect = np.array([0.5, -0.5, 0.0, 0.0]) / (std + 1e-6)
+    np.testing.assert_allclose(group_std(REWARDS, TRAINED), expect, rtol=1e-12, atol=0)
+    # a single member: std 0, advantage 0 (the epsilon keeps it finite)
+    one = np.array([False, False, True, False])
+    assert group_std(REWARDS, one).tolist() == [0.0, 0.0, 0.0, 0.0]
+    assert group_std(REWARDS, np.zeros(4, bool)).tolist() == [0.0, 0.0, 0.0, 0.0]
+
+
+def test_rloo_baseline_is_the_mean_of_the_other_trained_members() -> None:
+    rloo = ESTIMATORS["rloo"]
+    # 1 - (0 + 0.5) / 2, 0 - (1 + 0.5) / 2, 0.5 - (1 + 0) / 2; the untrained one 0
+    assert rloo(REWARDS, TRAINED).tolist() == [0.75, -0.75, 0.0, 0.0]
+    two = np.array([True, False, False, True])
+    assert rloo(REWARDS, two).tolist() == [-2.0, 0.0, 0.0, 2.0]  # 1 - 3, 3 - 1
+    # fewer than two trained members: no "other" to compare with, so 0
+    for one in (np.array([True, False, False, False]), np.zeros(4, bool)):
+        assert rloo(REWARDS, one).tolist() == [0.0, 0.0, 0.0, 0.0]
+
+
+def test_advantages_are_float64_and_zero_on_untrained_members() -> None:
+    def float32_ones(rewards: np.ndarray, trained: np.ndarray) -> np.ndarray:
+        return np.ones(len(rewards), dtype=np.float32)  # also on the untrained member
+
+    out = advantages(float32_ones, REWARDS, TRAINED)
+    assert out.dtype == np.float64
+    assert out.tolist() == [1.0, 1.0, 1.0, 0.0]
+    assert advantages("rloo", REWARDS, TRAINED).tolist() == [0.75, -0.75, 0.0, 0.0]
+
+
+def test_an_unknown_estimator_is_refused_with_the_expected_signature() -> None:
+    with pytest.raises(ValueError) as info:
+        advantage_estimator("ppo")
+    assert str(info.value) == (
+        "estimator='ppo' is not one of ['group', 'group_std', 'rloo'] "
+        "nor a callable fn(rewards, trained) -> advantages"
+    )
