@@ -12,7 +12,7 @@ after each reply a tool message names the next digit; k model calls in all, each
 
 Both run on one :class:`RolloutServer` (the demo's tiny model) behind a thin proxy that
 times every call inside the engine. For each N in ``--sessions``, N episodes start at once
-(N worker threads each side, a batch of N in the engine) and the run ends when all have
+(N worker threads each side, an engine whose batch holds N) and the run ends when all have
 finished. Runs alternate (in process, gateway) ``--repeats`` times after one warm-up pair,
 so both see the same background load; figures are medians over the repeats.
 
@@ -42,6 +42,8 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/_results.py
 import _results
@@ -294,6 +296,22 @@ def through_gateway(engine: TimedEngine, tasks: list[Task], turns: int, max_toke
     )
 
 
+def built_off_main(build: Callable[[], Any]) -> Any:
+    """``build()`` run on a short-lived thread, so the main thread never runs torch.
+
+    With GNU OpenMP a thread that runs a parallel torch op keeps its worker team for
+    life, and two live teams on two cores throttle each other: a model built on the
+    main thread made the engine's decode steps up to 40x slower in some runs.
+    """
+    out: list[Any] = []
+    thread = threading.Thread(target=lambda: out.append(build()), name="bench-build")
+    thread.start()
+    thread.join()
+    if not out:
+        raise RuntimeError("building the model failed (its error is printed above)")
+    return out[0]
+
+
 def make_tasks(n: int, offset: int) -> list[Task]:
     return [Task(str(i), {"digit": (offset + i) % 10}) for i in range(n)]
 
@@ -367,15 +385,17 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     sessions = [4] if args.tiny else [int(s) for s in args.sessions.split(",")]
     repeats = 1 if args.tiny else args.repeats
-    server = RolloutServer(make_model(), max_batch=max(sessions), seed=0)
-    engine = TimedEngine(server)
+    if "OMP_NUM_THREADS" not in os.environ:
+        # As dew demo does: half the cores for torch. Two cores each given to OpenMP
+        # teams that spin between parallel regions made the engine's decode steps 10-40x
+        # slower in some runs here, by whichever side ran first; one thread has no team.
+        torch.set_num_threads(max(1, (os.cpu_count() or 2) // 2))
     results: dict[int, dict[str, dict[str, float]]] = {}
-    try:
-        for n in sessions:
-            results[n] = measure(engine, n, args.turns, args.max_tokens, repeats)
-            print(table({n: results[n]}), flush=True)
-    finally:
-        server.close()
+    for n in sessions:
+        # An engine sized for N: a batch of N in flight, as the demo sizes its own.
+        with RolloutServer(built_off_main(make_model), max_batch=n, seed=0) as server:
+            results[n] = measure(TimedEngine(server), n, args.turns, args.max_tokens, repeats)
+        print(table({n: results[n]}), flush=True)
     print(ratios(results))
     if args.write and not args.tiny:
         command = (

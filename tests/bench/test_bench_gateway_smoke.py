@@ -1,0 +1,40 @@
+"""bench/gateway.py end to end at 4 sessions: it must not rot between measured runs."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).resolve().parents[2] / "bench"
+
+
+@pytest.mark.timeout(240)
+def test_gateway_bench_tiny() -> None:
+    results = BENCH / "RESULTS.md"
+    before = results.read_text() if results.exists() else None
+    out = subprocess.run(
+        [sys.executable, str(BENCH / "gateway.py"), "--tiny"],
+        capture_output=True,
+        text=True,
+        timeout=220,
+        check=False,
+    )
+    assert out.returncode == 0, out.stderr
+    rows = {
+        m[1]: [float(x) if x != "-" else None for x in m[2].split(" | ")]
+        for m in re.finditer(r"^\| 4 \| (in process|gateway) \| (.*) \|$", out.stdout, re.M)
+    }
+    assert set(rows) == {"in process", "gateway"}, out.stdout
+    for side, cells in rows.items():
+        p50, p99, per_s, call50, _, engine50 = cells[:6]
+        assert 0 < p50 <= p99 and per_s > 0, (side, cells)
+        assert call50 >= engine50 > 0, (side, cells)  # a call includes its engine time
+        assert cells[-1] == 0, (side, cells)  # every episode completed
+    gateway = rows["gateway"]
+    assert gateway[7] > 0 and gateway[8] > 0, gateway  # both CPU figures were measured
+    assert re.search(r"^- N=4: rollout p50 through the gateway [\d.]+x", out.stdout, re.M)
+    assert (results.read_text() if results.exists() else None) == before  # --tiny writes nothing
