@@ -23,14 +23,17 @@ def test_many_threads_share_batches(server: RolloutServer) -> None:
         {"top_k": 3},
         {"top_p": 0.6, "temperature": 0.5},
     ]
-    workers = [
-        Worker(
-            lambda i=i, p=p: server.generate(
-                p, SamplingParams(max_tokens=3 + i % 11, stop_ids=(), **settings[i % 4])
-            )
+    # Every thread submits once all have started: on a loaded machine, threads started
+    # one by one could otherwise reach the engine too far apart to share a batch.
+    together = threading.Barrier(len(batch), timeout=WAIT)
+
+    def one(i: int, p: list[int]) -> Call:
+        together.wait()
+        return server.generate(
+            p, SamplingParams(max_tokens=3 + i % 11, stop_ids=(), **settings[i % 4])
         )
-        for i, p in enumerate(batch)
-    ]
+
+    workers = [Worker(lambda i=i, p=p: one(i, p)) for i, p in enumerate(batch)]
     calls = [w.join() for w in workers]
     for i, (p, call) in enumerate(zip(batch, calls, strict=True)):
         assert isinstance(call, Call), workers[i].error
