@@ -88,7 +88,6 @@ class _Sample:
     state: _S = _S.IDLE
     cause: str | None = None  # why the next start is a resubmission
     version: int = 0  # served version at the current attempt's submission
-    submitted: float = 0.0
     rollout: Rollout | None = None
     key: RolloutKey | None = None  # of the current attempt, once started
 
@@ -247,7 +246,6 @@ class Admission:
         s.cause = None
         s.state = _S.RUNNING
         s.version = self.served if self.served is not None else 0
-        s.submitted = now
         # tuple.__new__ skips the named tuple's generated __new__: one fewer Python call
         # per start, which the planner makes tens of thousands of times per plan.
         key = s.key = _tuple_new(RolloutKey, (g.gid, s.index, s.attempt))
@@ -257,7 +255,7 @@ class Admission:
             heapq.heappush(self._deadlines, (now + timeout, key))
         actions.append(_tuple_new(Start, (g.task, key)))
 
-    def _stop(self, g: _Group, s: _Sample, how: str, actions: list[Action]) -> None:
+    def _stop(self, s: _Sample, how: str, actions: list[Action]) -> None:
         """Cancel a running sample's current attempt."""
         key = s.key  # the current attempt's
         assert key is not None, "a running sample has been started"
@@ -312,7 +310,7 @@ class Admission:
         """Cancel a group's running samples and discard what it had admitted."""
         for s in g.samples:
             if s.state is _S.RUNNING:
-                self._stop(g, s, how, actions)
+                self._stop(s, how, actions)
                 self.cancelled += 1
                 s.state = _S.SURPLUS
             elif s.state is _S.ADMITTED and s.rollout is not None:
@@ -325,7 +323,7 @@ class Admission:
         g.order = next(self._order)
         for s in g.samples:
             if s.state is _S.RUNNING:
-                self._stop(g, s, "surplus", actions)
+                self._stop(s, "surplus", actions)
                 self.cancelled += 1
                 s.state = _S.SURPLUS
         b = g.batch
@@ -401,7 +399,7 @@ class Admission:
                 continue
             g, s = entry
             self._errors.append(f"{key}: timeout: still running {self.config.timeout:g} s in")
-            self._stop(g, s, "failed:timeout", actions)
+            self._stop(s, "failed:timeout", actions)
             self._count_failure(s, "timeout")
             touched[g.gid] = g
         for g in touched.values():
@@ -420,7 +418,7 @@ class Admission:
                     state = s.state
                     if state is _S.RUNNING:
                         if s.version < fresh:
-                            self._stop(g, s, "cancelled:stale", actions)
+                            self._stop(s, "cancelled:stale", actions)
                             self.cancelled += 1
                             s.state, s.cause = _S.IDLE, "stale"
                             touched = True
