@@ -7,6 +7,7 @@ close, checking the bookkeeping invariants after every step.
 from __future__ import annotations
 
 from collections import Counter
+from typing import Any
 
 import numpy as np
 from hypothesis import settings
@@ -98,6 +99,8 @@ class AdmissionMachine(RuleBasedStateMachine):
         self.expected_resubmits: Counter[str] = Counter()
         self.resubmitted: Counter[str] = Counter()
         self.cancelled = 0
+        self.abandoned = 0
+        self.stale_rollouts = 0
         self.now = 0.0
         self.updates = 0
         self.pending = False
@@ -131,6 +134,8 @@ class AdmissionMachine(RuleBasedStateMachine):
     def collect(self) -> None:
         self.resubmitted += self.adm.resubmitted
         self.cancelled += self.adm.cancelled
+        self.abandoned += self.adm.abandoned
+        self.stale_rollouts += len(self.adm.dropped_rollouts)
         self.adm.reset_counts()
 
     # ------------------------------------------------------------------ rules
@@ -248,6 +253,21 @@ class AdmissionMachine(RuleBasedStateMachine):
 
     # ------------------------------------------------------------------ invariants
 
+    def check_group(self, g: Any) -> None:
+        # A group has groups + oversample samples, so min(needed + oversample, startable)
+        # is every sample neither admitted nor out of attempts: a running group runs all
+        # of them and can still complete; a resolved group runs none.
+        need = self.adm.config.groups
+        states = Counter(s.state.name for s in g.samples)
+        if g.state.name == "RUNNING":
+            assert states["IDLE"] == states["SURPLUS"] == 0, states
+            assert states["ADMITTED"] == len(g.admitted) < need, (states, g.admitted)
+            assert len(g.samples) - states["EXHAUSTED"] >= need, states
+        else:
+            assert states["RUNNING"] == 0, (g.state, states)
+        if g.state.name == "COMPLETE":
+            assert states["ADMITTED"] == len(g.admitted) == need, (states, g.admitted)
+
     @invariant()
     def bookkeeping(self) -> None:
         if not hasattr(self, "adm"):
@@ -277,12 +297,17 @@ class AdmissionMachine(RuleBasedStateMachine):
             for g in batch.groups:
                 for s in g.samples:
                     assert s.failures <= self.adm.config.max_attempts
+                self.check_group(g)
                 if g.state.name == "ABANDONED":
                     self.abandoned_groups.add(g.gid)
         # Record counts add up with what the ledger saw.
         total_cancelled = self.cancelled + self.adm.cancelled
         assert total_cancelled == sum(h in CANCELLING for h in audit.values())
         assert self.resubmitted + self.adm.resubmitted == self.expected_resubmits
+        assert self.abandoned + self.adm.abandoned == len(self.abandoned_groups)
+        stale = self.stale_rollouts + len(self.adm.dropped_rollouts)
+        assert stale == sum(h == "resubmitted:stale" for h in audit.values())
+        assert all(why == "stale" for why, _ in self.adm.dropped_rollouts)
 
 
 TestAdmission = AdmissionMachine.TestCase
