@@ -32,9 +32,11 @@ def test_freeze_after_leaves_a_heap_the_caller_froze_alone() -> None:
         mine = gc.get_freeze_count()
         warm = FreezeAfter(1)
         warm.step()
-        assert not warm.froze and gc.get_freeze_count() == mine
+        # Not ours to freeze: the count does not grow (a freeze adds every tracked
+        # object). It may shrink: a frozen object that another thread frees leaves it.
+        assert not warm.froze and gc.get_freeze_count() <= mine
         warm.release()
-        assert gc.get_freeze_count() == mine  # still the caller's
+        assert 0 < gc.get_freeze_count() <= mine  # still the caller's, not unfrozen
     assert gc.get_freeze_count() == 0
 
 
