@@ -304,6 +304,30 @@ def test_workers_bounds_how_many_harnesses_run_at_once(gateway, workers):
 
 
 @pytest.mark.timeout(120)
+def test_each_worker_thread_keeps_its_own_http_client(gateway):
+    # Sessions share no connection pool (whose lock every request would take): a worker
+    # thread reuses its own client from one rollout to the next; close() shuts them.
+    together = threading.Barrier(2, timeout=WAIT)
+    seen: list[tuple[str, Any]] = []
+
+    def harness(task: Task, ep: HarnessEndpoint) -> str:
+        together.wait()  # both workers run at once: two threads, every round
+        seen.append((threading.current_thread().name, ep.http_client))
+        return ask(ep, turns=1)
+
+    with HarnessSource(gateway, harness, length_verifier, workers=2) as src:
+        for rnd in range(2):
+            sessions = [src.start(TASK, RolloutKey(rnd, i, 0)) for i in range(2)]
+            assert all(s.result(WAIT).status is Status.COMPLETED for s in sessions)
+    by_thread: dict[str, set[int]] = {}
+    for name, client in seen:
+        by_thread.setdefault(name, set()).add(id(client))
+    assert len(by_thread) == 2 and all(len(ids) == 1 for ids in by_thread.values()), seen
+    clients = {id(c): c for _, c in seen}
+    assert len(clients) == 2 and all(c.is_closed for c in clients.values())
+
+
+@pytest.mark.timeout(120)
 def test_tasks_hands_the_harness_and_verifier_the_full_task(gateway):
     full = Task("3", {"question": "What is 1+2?", "answer": "3"})
     seen: list[tuple[str, Task]] = []
