@@ -364,7 +364,13 @@ def test_rejected_requests_record_nothing(spy):
         assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_json"
         r = post(gw, token, '{"messages": [{"role": "user", "content": "x"}], "n": "2"}')
         assert r.status_code == 400 and r.json()["error"]["param"] == "n"
-        assert post(gw, token, "{}", path="nowhere").status_code == 404
+        missing = post(gw, token, "{}", path="nowhere")
+        assert missing.status_code == 404 and missing.json()["error"]["code"] == "not_found"
+        # A known path with the wrong method: 405 naming the one it takes, in the same shape.
+        wrong = httpx.get(f"{gw.base_url}/chat/completions", timeout=WAIT)
+        assert wrong.status_code == 405 and wrong.headers["allow"] == "POST"
+        assert wrong.json()["error"]["message"] == "Method Not Allowed"
+        assert post(gw, token, "{}", path="models").status_code == 405
         assert not spy.calls
         with client(gw, token) as c:
             first = c.chat.completions.create(
