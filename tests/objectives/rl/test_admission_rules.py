@@ -516,6 +516,21 @@ def test_a_complete_group_sent_back_by_staleness_counts_as_running_again() -> No
     assert adm.ready()
 
 
+def test_a_stale_rollout_found_at_consume_restarts_under_a_deadline_from_then() -> None:
+    adm = admission(groups=1, ahead=0, max_lag=0, timeout=5.0)
+    adm.pushed(0)
+    adm.register([Task("a")])
+    adm.call(0, 0.0)
+    finish(adm, K(0, 0), versions=(0,))
+    assert adm.ready()
+    adm.pushed(1)
+    # The consume finds the rollout past the bound: nothing is handed over, the sample
+    # restarts, and its deadline counts from the consume's own time.
+    consumed, actions = adm.consume(1, 7.0)
+    assert consumed is None and starts(actions) == [K(0, 0, 1)]
+    assert adm.resubmitted == {"stale": 1} and adm.next_deadline() == 12.0
+
+
 # ---------------------------------------------------------------- timeouts
 
 
