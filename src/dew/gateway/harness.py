@@ -96,13 +96,7 @@ class HarnessEndpoint:
         return openai.OpenAI(base_url=self.base_url, api_key=self.api_key, **kwargs)
 
 
-# Connections a worker thread keeps to the gateway. A harness calls from its worker
-# thread one request at a time unless it starts threads of its own; a few spare
-# connections serve those without a wait.
-_THREAD_CONNECTIONS = 4
-
-
-def _shared_http(connections: int) -> Any:
+def _shared_http() -> Any:
     import httpx
 
     class SharedClient(httpx.Client):
@@ -114,9 +108,11 @@ def _shared_http(connections: int) -> Any:
         def shutdown(self) -> None:
             super().close()
 
-    # The gateway speaks plain HTTP on loopback: no certificate store to load.
-    limits = httpx.Limits(max_connections=connections, max_keepalive_connections=connections)
-    return SharedClient(verify=False, limits=limits)
+    from dew.gateway._transport import LoopbackTransport
+
+    # The gateway speaks plain HTTP: no certificate store to load, and a transport
+    # that writes each request whole (see _transport).
+    return SharedClient(transport=LoopbackTransport())
 
 
 @dataclass(frozen=True)
@@ -300,7 +296,7 @@ class HarnessSource(ThreadedSource):
             return None
         http = getattr(self._http, "client", None)
         if http is None:
-            http = self._http.client = _shared_http(_THREAD_CONNECTIONS)
+            http = self._http.client = _shared_http()
             with self._wake_lock:
                 self._http_clients.append(http)
         return http
