@@ -186,6 +186,35 @@ def test_a_connection_the_server_closed_is_not_reused() -> None:
         server.close()
 
 
+@pytest.mark.timeout(60)
+def test_a_stream_left_at_its_last_event_still_gives_its_connection_back() -> None:
+    go, rest_sent = threading.Event(), threading.Event()
+
+    def stream(conn: socket.socket) -> None:
+        read_request(conn)
+        conn.sendall(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n6\r\nevent1\r\n")
+        assert go.wait(WAIT)
+        conn.sendall(b"0\r\n\r\n")  # the body's end, after the reader has stopped
+        rest_sent.set()
+        server.stop.wait(WAIT)  # the connection stays open: only the client may end it
+
+    server = RawServer(stream)
+    transport = LoopbackTransport()
+    try:
+        with httpx.Client(transport=transport, timeout=WAIT) as http:
+            with http.stream("POST", server.url, content=b"{}") as response:
+                # A reader that stops at its last event, as openai stops at [DONE].
+                assert next(response.iter_raw()) == b"event1"
+                go.set()
+                # On loopback the server's send returns once the bytes are in the
+                # client's socket: the end has arrived, unread.
+                assert rest_sent.wait(WAIT)
+            # Closing read the end that had arrived: the connection is whole and kept.
+            assert len(transport._idle) == 1
+    finally:
+        server.close()
+
+
 def test_quiet_tells_an_idle_connection_from_a_closed_or_chatty_one() -> None:
     a, b = socket.socketpair()
     try:

@@ -129,12 +129,12 @@ class _Exchange(httpx.SyncByteStream):
     def _finish_from(self, sock: socket.socket) -> None:
         """Parse what has already arrived, without waiting for more."""
         try:
-            while not self.answer.complete:
-                data = sock.recv(_CHUNK, socket.MSG_DONTWAIT)
+            while not self.answer.complete and not _quiet(sock):
+                data = sock.recv(_CHUNK)  # something is there: this returns at once
                 if not data:
-                    return
+                    return  # closed by the server
                 self.parser.feed_data(data)
-        except (OSError, httptools.HttpParserError):  # nothing more yet, or unusable
+        except (OSError, httptools.HttpParserError):  # unusable: the caller closes it
             return
 
 
