@@ -7,28 +7,16 @@ on a small machine.
 from __future__ import annotations
 
 import re
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
-BENCH = Path(__file__).resolve().parents[2] / "bench"
+from ._tiny import run_tiny
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_fleet_bench_tiny() -> None:
-    results = BENCH / "RESULTS.md"
-    before = results.read_text() if results.exists() else None
-    out = subprocess.run(
-        [sys.executable, str(BENCH / "fleet.py"), "--tiny"],
-        capture_output=True,
-        text=True,
-        timeout=560,
-        check=False,
-    )
-    assert out.returncode == 0, out.stderr[-4000:]
+    out = run_tiny("fleet.py", timeout=560)
     paths = ("file: HTTPEngine.load", "file: write", "file: server load", "broadcast \\(gloo\\)")
     for path in paths:
         cells = r"([\d,]+) \| ([\d,]+) \| ([\d.]+)"
@@ -38,4 +26,3 @@ def test_fleet_bench_tiny() -> None:
     engines = re.findall(rf"^\| ({names}) \| ([\d.]+) ", out.stdout, re.M)
     assert engines and engines[0][0] == "in-process RolloutServer", out.stdout
     assert len(engines) in (2, 3) and all(float(rate) > 0 for _, rate in engines), out.stdout
-    assert (results.read_text() if results.exists() else None) == before  # --tiny writes nothing
