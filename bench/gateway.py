@@ -209,8 +209,9 @@ class Run:
     gateway_cpu: float = 0.0  # seconds, gateway threads
     harness_cpu: float = 0.0  # seconds, harness threads
 
-    def figures(self, sessions: int, turns: int) -> dict[str, float]:
+    def figures(self) -> dict[str, float]:
         n_calls = max(1, len(self.engine))
+        sessions = len(self.latency)
         return {
             "latency_p50": statistics.median(self.latency),
             "latency_p99": pct(self.latency, 0.99),
@@ -222,7 +223,6 @@ class Run:
             "gateway_cpu_ms": 1e3 * self.gateway_cpu / n_calls,
             "harness_cpu_ms": 1e3 * self.harness_cpu / n_calls,
             "errors": float(self.errors),
-            "calls_per_session": len(self.engine) / sessions,
         }
 
 
@@ -326,12 +326,8 @@ def measure(
     runs: dict[str, list[dict[str, float]]] = {"in process": [], "gateway": []}
     for r in range(repeats):
         tasks = make_tasks(sessions, r + 1)
-        runs["in process"].append(
-            in_process(engine, tasks, turns, max_tokens).figures(sessions, turns)
-        )
-        runs["gateway"].append(
-            through_gateway(engine, tasks, turns, max_tokens).figures(sessions, turns)
-        )
+        runs["in process"].append(in_process(engine, tasks, turns, max_tokens).figures())
+        runs["gateway"].append(through_gateway(engine, tasks, turns, max_tokens).figures())
     return {
         side: {k: statistics.median(f[k] for f in figs) for k in figs[0]}
         for side, figs in runs.items()

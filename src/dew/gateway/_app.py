@@ -504,6 +504,9 @@ class _Service:
         return JSONResponse(card)
 
 
+_MODEL_PREFIX = "/v1/models/"  # + a model id: that model's card
+
+
 class _App:
     """The ASGI application: four routes dispatched by method and path.
 
@@ -560,9 +563,6 @@ class _App:
                     kind="server_error",
                 )
             )
-
-
-_MODEL_PREFIX = "/v1/models/"
 
 
 def build_app(
