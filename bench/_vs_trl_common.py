@@ -34,7 +34,8 @@ WINDOW = 10
 TURNS = 2
 DIGITS = 3  # digits per turn (the demo's single-turn task copies 3)
 SYSTEMS = ("dew", "trl")
-TASK_KINDS = ("single", "multi")
+TASK_KINDS = ("single", "multi", "tail", "tail-turns")
+TAIL_TASKS = ("tail", "tail-turns")  # the heavy-tailed workload (dew.demo.tail)
 
 
 @dataclass(frozen=True)
@@ -49,7 +50,10 @@ class RunSpec:
     max_steps: int
     stop_at_reward: bool  # end the run once the time-to-reward target is reached
     ahead: int = 1  # dew only: batches generated ahead of the trainer
+    oversample: int = 0  # dew only: extra rollouts per group, the slowest cancelled
     latency: float = 0.02  # multi only: seconds slept in every environment step
+    threshold: float = THRESHOLD  # the reward the time-to-reward clock waits for
+    small: bool = False  # a smoke run: 2 tasks x 4 samples of at most 16 tokens per step
 
     def __post_init__(self) -> None:
         if self.system not in SYSTEMS:
@@ -61,8 +65,11 @@ class RunSpec:
                 raise ValueError(f"{name}={getattr(self, name)!r} must be >= 1")
         if not self.max_seconds > 0:
             raise ValueError(f"max_seconds={self.max_seconds!r} must be > 0")
-        if self.ahead < 0 or self.latency < 0:
-            raise ValueError(f"ahead={self.ahead} and latency={self.latency} must be >= 0")
+        if self.ahead < 0 or self.latency < 0 or self.oversample < 0:
+            raise ValueError(
+                f"ahead={self.ahead}, oversample={self.oversample} and latency="
+                f"{self.latency} must be >= 0"
+            )
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self))
@@ -80,7 +87,11 @@ class RunResult:
     rows: int  # completions (rollouts) trained per step
     rewards: list[float] = field(default_factory=list)
     step_seconds: list[float] = field(default_factory=list)
+    # seconds of each step the trainer spent waiting for its batch (dew: the scheduler's
+    # wait; TRL: generation and scoring, which its trainer runs instead of training)
+    idle: list[float] = field(default_factory=list)
     stopped: str = "steps"  # why the run ended: "reward", "seconds" or "steps"
+    peak_rss_mb: float = 0.0  # the worker process's peak resident memory
 
     @property
     def steps(self) -> int:
@@ -99,9 +110,14 @@ class RunResult:
     def seconds_per_step(self) -> float:
         return self.seconds / self.steps if self.steps else 0.0
 
+    @property
+    def idle_share(self) -> float:
+        """Share of the training wall time the trainer waited for batches."""
+        return sum(self.idle) / self.seconds if self.seconds > 0 else 0.0
+
     def reached(self) -> tuple[int, float] | None:
         """(step, seconds) at which the reward target was reached, or None."""
-        return time_to_reward(self.rewards, self.step_seconds)
+        return time_to_reward(self.rewards, self.step_seconds, threshold=self.spec.threshold)
 
     def final_reward(self) -> float:
         """Mean reward of the last ``WINDOW`` steps (all of them when fewer)."""
@@ -121,12 +137,23 @@ class RunResult:
 
 
 def demo_config(spec: RunSpec) -> Any:
-    """The demo's tuned single-turn settings (``DemoConfig.for_task("single")``) with the
-    spec's seed and ``ahead``; both systems and both tasks are configured from it."""
+    """The demo's tuned settings with the spec's seed and policy: the single-turn task's
+    (``DemoConfig.for_task("single")``) for the copy tasks, the heavy-tailed tasks' own
+    for those; both systems are configured from it."""
     from dew.demo.run import DemoConfig
 
+    task = spec.task if spec.task in TAIL_TASKS else "single"
+    small: dict[str, Any] = {}
+    if spec.small:
+        tuned = DemoConfig.for_task(task)
+        small = {"batch_size": 2, "group_size": 4, "max_tokens": min(tuned.max_tokens, 16)}
     return DemoConfig.for_task(
-        "single", seed=spec.seed, ahead=spec.ahead, max_lag=max(1, spec.ahead)
+        task,
+        seed=spec.seed,
+        ahead=spec.ahead,
+        max_lag=max(1, spec.ahead),
+        oversample=spec.oversample,
+        **small,
     )
 
 
@@ -157,13 +184,15 @@ class StepClock:
     def start(self) -> None:
         self._t0 = time.monotonic()
 
-    def step(self, reward: float) -> bool:
-        """Record one finished step; True when the run should end now."""
+    def step(self, reward: float, idle: float) -> bool:
+        """Record one finished step (``idle``: seconds of it the trainer waited); True
+        when the run should end now."""
         if self._t0 is None:
             raise RuntimeError("StepClock.step() before start()")
         elapsed = time.monotonic() - self._t0
         self.result.rewards.append(float(reward))
         self.result.step_seconds.append(elapsed)
+        self.result.idle.append(float(idle))
         if self.spec.stop_at_reward and self.result.reached() is not None:
             self.result.stopped = "reward"
             return True

@@ -4,6 +4,8 @@ It builds the demo's job with :func:`dew.demo.run.build_job`, exactly as
 :func:`dew.demo.run.run_demo` does for the demo's tuned single-turn settings
 (``DemoConfig.for_task("single")``): the tiny model, AdamW, the GRPO objective, the
 in-process RolloutServer, the task's source and the RolloutScheduler, then ``fit``.
+The heavy-tailed tasks (``tail``, ``tail-turns``) are the demo's own, with their tuned
+settings (``DemoConfig.for_task``).
 Left out, because they are not training: the run folder, checkpoints, TensorBoard, the
 progress bar and the plot. For the two-turn task the source is an
 :class:`~dew.objectives.rl.sources.EnvironmentSource` over
@@ -75,11 +77,13 @@ def run_dew(spec: RunSpec) -> RunResult:
         trained = int(sched["groups"]) * config.group_size
         if trained != rows:  # the figures assume full batches; a cut one would skew them
             raise RuntimeError(f"step {record['step']} trained {trained} rollouts, not {rows}")
-        if clock.step(sched["metrics"]["reward/mean"]):
+        if clock.step(sched["metrics"]["reward/mean"], sched["waited"]):
             raise _Enough
 
     with ExitStack() as stack:
-        job = build_job(config, stack, task=None if spec.task == "single" else _two_turn(spec))
+        # the two-turn copy task is built here; the others are the demo registry's
+        task = _two_turn(spec) if spec.task == "multi" else None
+        job = build_job(config, stack, task=task)
         clock.start()
         try:
             fit(

@@ -8,6 +8,7 @@ worker at a time, so the two systems never compete for the cores.
 
 from __future__ import annotations
 
+import resource
 import sys
 from pathlib import Path
 
@@ -23,10 +24,14 @@ def run(spec: RunSpec) -> RunResult:
     if spec.system == "dew":
         from _vs_trl_dew import run_dew
 
-        return run_dew(spec)
-    from _vs_trl_trl import run_trl
+        result = run_dew(spec)
+    else:
+        from _vs_trl_trl import run_trl
 
-    return run_trl(spec)
+        result = run_trl(spec)
+    # ru_maxrss is in KiB on Linux: the process's peak, set-up and training together
+    result.peak_rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    return result
 
 
 def main() -> None:

@@ -79,7 +79,9 @@ def parser() -> argparse.ArgumentParser:
         "--task",
         default="single",
         help="single (single-turn verifiable task, default), guess (multi-turn "
-        "environment) or agent (an OpenAI-client harness through the gateway)",
+        "environment), agent (an OpenAI-client harness through the gateway), tail (the "
+        "heavy-tailed workload: long-tailed answer lengths, slow verifiers) or tail-turns "
+        "(its multi-turn variant, with slow tool calls between turns)",
     )
     demo.add_argument("--run-dir", default=None, help="run folder (default runs/demo-<time>)")
     demo.add_argument("--resume", default=None, metavar="RUN_DIR", help="continue this run")

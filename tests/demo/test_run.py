@@ -61,14 +61,18 @@ def test_demo_trains_resumes_and_plots(tmp_path: Path) -> None:
 
 
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("task", ["guess", "agent"])
+@pytest.mark.parametrize("task", ["guess", "agent", "tail", "tail-turns"])
 def test_the_other_example_tasks_run(tmp_path: Path, task: str) -> None:
     run = tmp_path / task
-    dew("demo", "--task", task, "--steps", "2", "--run-dir", str(run), *SMALL)
+    out = dew("demo", "--task", task, "--steps", "2", "--run-dir", str(run), *SMALL)
     records = check_run(run, 2)
-    if task == "agent":  # every episode packs into one chain
+    if task in ("agent", "tail-turns"):  # every episode packs into one chain
         merged = [r["scheduler"]["metrics"].get("merge_ratio") for r in records]
         assert all(m == 1.0 for m in merged if m is not None)
+    if task.startswith("tail"):  # the workload's parameters are printed with the result
+        from dew.demo.tail import Workload
+
+        assert Workload().describe() in out.stdout
 
 
 @pytest.mark.slow
@@ -108,3 +112,32 @@ def test_the_demo_bounds_every_rollout_attempt() -> None:
     with ExitStack() as stack:
         job = build_job(DemoConfig(steps=1, timeout=7.5), stack)
         assert job.scheduler.config.timeout == 7.5
+
+
+def test_the_demo_passes_its_scheduling_knobs_on() -> None:
+    from dew.demo.run import DemoConfig
+
+    config = DemoConfig.for_task("tail", oversample=2, ahead=2, max_lag=2)
+    sched = config.scheduler_config()
+    assert (sched.oversample, sched.ahead, sched.max_lag) == (2, 2, 2)
+    assert sched.truncation == "score"  # the heavy-tailed tasks score truncated answers
+    assert DemoConfig().scheduler_config().oversample == 0
+    with pytest.raises(ValueError, match="oversample"):
+        DemoConfig(oversample=-1)
+
+
+def test_the_heavy_tailed_tasks_build_a_model_their_chains_fit() -> None:
+    from contextlib import ExitStack
+
+    from dew.demo.run import DemoConfig, build_job
+
+    assert DemoConfig().positions == 256
+    for task in ("tail", "tail-turns"):
+        config = DemoConfig.for_task(task, steps=1, batch_size=2, group_size=2)
+        with ExitStack() as stack:
+            job = build_job(config, stack)
+            assert job.model.config.max_position_embeddings == config.positions == 512
+            # the engine serves the whole chain (EnvironmentSource refuses a context
+            # wider than the engine's at construction)
+            assert job.server.max_len == config.positions
+            assert "lognormal" in job.describe

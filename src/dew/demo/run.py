@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Any
 
 from dew._checkpoint import checkpoints, step_of
 from dew._progress import progress_bar
+from dew.demo.tail import Workload
 from dew.objectives.rl.config import SchedulerConfig
 from dew.train import FitResult, read_records
 
@@ -59,6 +60,7 @@ class DemoError(ValueError):
 
 
 _SCHEDULER = SchedulerConfig()
+_TAIL = Workload()
 
 
 @dataclass(frozen=True)
@@ -78,6 +80,7 @@ class DemoConfig:
     # The scheduler's own defaults unless a task says otherwise (written once, there).
     ahead: int = _SCHEDULER.ahead
     max_lag: int = _SCHEDULER.max_lag
+    oversample: int = _SCHEDULER.oversample
     truncation: str = _SCHEDULER.truncation  # type: ignore[assignment]
     estimator: str = _SCHEDULER.estimator  # type: ignore[assignment]
     clip_high: float | None = None  # DAPO's clip-higher: keeps exploration alive
@@ -118,12 +121,18 @@ class DemoConfig:
         """The scheduling knobs of this demo (checked by SchedulerConfig itself)."""
         return SchedulerConfig(
             groups=self.group_size,
+            oversample=self.oversample,
             ahead=self.ahead,
             max_lag=self.max_lag,
             truncation=self.truncation,
             estimator=self.estimator,
             timeout=self.timeout,
         )
+
+    @property
+    def positions(self) -> int:
+        """Positions the task's model is built with (its longest chain fits)."""
+        return _TASK_POSITIONS.get(self.task, _POSITIONS)
 
     @classmethod
     def for_task(cls, task: str, **overrides: Any) -> DemoConfig:
@@ -141,6 +150,7 @@ class DemoResult:
     fit: FitResult
     seconds: float
     plot: Path | None
+    describe: str = ""  # the task's parameters, when it has any worth printing
 
     def rewards(self) -> list[float]:
         """Mean reward per step of the whole run (resumed parts included)."""
@@ -161,6 +171,7 @@ class DemoResult:
             f"steps: {self.fit.updates}  time: {self.seconds:.1f}s\n"
             f"mean reward, first 10% of steps: {first:.3f}  last 10%: {last:.3f}\n"
             f"checkpoint: {self.fit.checkpoint}\nplot: {self.plot}"
+            + (f"\n{self.describe}" if self.describe else "")
         )
 
 
@@ -171,6 +182,7 @@ class TaskParts:
     source: Any
     max_chain: int  # longest prompt + completion tokens of one chain
     close: Callable[[], None] = lambda: None
+    describe: str = ""  # the task's parameters, printed beside its results
 
 
 def _workers(config: DemoConfig) -> int:
@@ -243,12 +255,59 @@ def _agent(config: DemoConfig, server: Any, tokenizer: Any) -> TaskParts:
     return TaskParts(demo.source, demo.max_chain, demo.close)
 
 
+def _tail(config: DemoConfig, server: Any, tokenizer: Any) -> TaskParts:
+    from dew.core import SamplingParams
+    from dew.demo.tail import make_tail_task
+    from dew.objectives.rl.sources import PromptSource
+
+    task = make_tail_task(config.tasks, seed=config.seed, tokenizer=tokenizer)
+    # The verifier sleeps its latency in a worker: one per rollout in flight, so no
+    # rollout waits for another's verification.
+    source = PromptSource(
+        server,
+        task.prompts,
+        task.verifier,
+        workers=_workers(config),
+        sampling=SamplingParams(
+            max_tokens=config.max_tokens, temperature=config.temperature, stop_ids=[task.eos]
+        ),
+    )
+    return TaskParts(
+        source, task.max_prompt + config.max_tokens, source.close, task.workload.describe()
+    )
+
+
+def _tail_turns(config: DemoConfig, server: Any, tokenizer: Any) -> TaskParts:
+    from dew.core import SamplingParams
+    from dew.demo.tail import make_tail_task, turns_max_chain
+    from dew.objectives.rl.sources import EnvironmentSource
+
+    task = make_tail_task(config.tasks, seed=config.seed, tokenizer=tokenizer)
+    width = turns_max_chain(task, tokenizer, config.max_tokens)
+    source = EnvironmentSource(
+        server,
+        task.env,
+        tokenizer=tokenizer,
+        max_turns=task.workload.max_turns,
+        max_context=width,
+        workers=_workers(config),
+        sampling=SamplingParams(max_tokens=config.max_tokens, temperature=config.temperature),
+    )
+    return TaskParts(source, width, source.close, task.workload.describe())
+
+
 # task name -> builder(config, server, tokenizer) -> TaskParts
 TASKS: dict[str, Callable[[DemoConfig, Any, Any], TaskParts]] = {
     "single": _single,
     "guess": _guess,
     "agent": _agent,
+    "tail": _tail,
+    "tail-turns": _tail_turns,
 }
+
+# Positions the demo model is built with; the heavy-tailed tasks' chains are longer.
+_POSITIONS = 256
+_TASK_POSITIONS = {"tail": 512, "tail-turns": 512}
 
 
 # Settings per task, tuned so each demo learns within minutes on 2 CPU cores.
@@ -278,6 +337,26 @@ TASK_DEFAULTS: dict[str, dict[str, Any]] = {
     },
     "guess": {},
     "agent": {"steps": 60, "max_tokens": 4},
+    # The heavy-tailed workload (dew.demo.tail): completions may run to the workload's
+    # length cap (per turn on the multi-turn variant).
+    # Truncated answers are scored (diluted by their run-on tokens), not masked: a
+    # masked one escapes every penalty, and lengths then run away to the cap.
+    "tail": {
+        "steps": 200,
+        "lr": 1e-3,
+        "max_tokens": _TAIL.length_cap,
+        "estimator": "group_std",
+        "clip_high": 0.28,
+        "truncation": "score",
+    },
+    "tail-turns": {
+        "steps": 200,
+        "lr": 1e-3,
+        "max_tokens": _TAIL.turn_cap,
+        "estimator": "group_std",
+        "clip_high": 0.28,
+        "truncation": "score",
+    },
 }
 
 
@@ -335,6 +414,7 @@ class DemoJob:
     dataset: Dataset
     server: RolloutServer
     scheduler: RolloutScheduler
+    describe: str = ""  # the task's parameters (TaskParts.describe)
 
 
 def build_job(
@@ -365,7 +445,7 @@ def build_job(
 
     torch.manual_seed(config.seed)
     tokenizer = make_tokenizer()
-    model = make_model(config.arch, config.size, seed=config.seed, max_positions=256)
+    model = make_model(config.arch, config.size, seed=config.seed, max_positions=config.positions)
     objective = GRPOObjective(temperature=config.temperature, clip_high=config.clip_high)
     rows = config.batch_size * config.group_size
     world = 1 if pool is None else pool.world
@@ -408,7 +488,7 @@ def build_job(
         objective, parts.source, server, config.scheduler_config(), width=parts.max_chain, rows=rows
     )
     stack.callback(scheduler.close)
-    return DemoJob(model, optimizer, objective, dataset, server, scheduler)
+    return DemoJob(model, optimizer, objective, dataset, server, scheduler, parts.describe)
 
 
 def run_demo(
@@ -486,4 +566,6 @@ def run_demo(
         from dew.plot import plot_run
 
         drawn = plot_run(run)
-    return DemoResult(run_dir=run, fit=result, seconds=time.monotonic() - t0, plot=drawn)
+    return DemoResult(
+        run_dir=run, fit=result, seconds=time.monotonic() - t0, plot=drawn, describe=job.describe
+    )

@@ -1,0 +1,42 @@
+"""bench/vs_trl_tail.py end to end for two small steps of each run on both tasks.
+
+Slow (six worker processes, each importing torch, transformers and TRL): the slow CI
+step runs it.
+"""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from dew.demo.tail import Workload
+
+from ._tiny import run_tiny
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_vs_trl_tail_bench_tiny() -> None:
+    out = run_tiny("vs_trl_tail.py", 590, "--policy", "1,os=1")
+    text = out.stdout
+    assert Workload().describe() in text  # the workload's parameters beside the figures
+    runs = ("dew \\(ahead 1, os 1\\)", "dew sync \\(ahead 0\\)", "TRL GRPOTrainer")
+    for task in ("tail", "tail-turns"):
+        section = text.split(f"### {task} ")[1].split("### ")[0]
+        for run in runs:
+            row = re.search(
+                rf"^\| {run} \| 0 \| not reached in 2 steps \| 2 \| ([\d,]+) \| (\d+\.\d+) "
+                rf"\| (\d+)% \| ([\d,]+) MB \|$",
+                section,
+                re.M,
+            )
+            assert row, section
+            assert int(row[1].replace(",", "")) > 0 and float(row[2]) > 0
+            assert 0 < int(row[3]) <= 100  # an untrained first step always waits a while
+            assert 100 < int(row[4].replace(",", "")) < 20_000  # MB: a real process's peak
+        assert "TRL seconds / dew (ahead 1, os 1) seconds" in section
+    for task, target in (("tail", "2"), ("tail-turns", "3")):
+        assert re.search(
+            rf"^vs TRL, {task}: time to reward [\d.]+: .+; target >= {target}x: ", text, re.M
+        ), text
