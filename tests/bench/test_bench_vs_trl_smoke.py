@@ -59,6 +59,27 @@ def test_run_result_figures_and_json_round_trip() -> None:
     assert RunResult.from_json(result.to_json()) == result
     with pytest.raises(ValueError, match="system="):
         RunSpec("vllm", "single", 0, 2, 1.0, 1, True)
+    # the heavy-tailed runs: their own threshold, the trainer's idle share, peak memory
+    tail = RunSpec("dew", "tail", 0, 2, 9.0, 20, stop_at_reward=True, threshold=0.19, oversample=2)
+    rewards = [0.1] * 7 + [0.3] * 10
+    waited = RunResult(
+        spec=tail,
+        rows=64,
+        rewards=rewards,
+        step_seconds=[float(i + 1) for i in range(17)],
+        idle=[0.5] * 17,
+        peak_rss_mb=812.5,
+    )
+    # windows ending at steps 10, 11, 12 average 0.16, 0.18, 0.20: the spec's 0.19, not
+    # the default threshold, decides
+    assert waited.reached() == (12, 12.0)
+    assert waited.idle_share == pytest.approx(8.5 / 17)
+    assert RunResult.from_json(waited.to_json()) == waited
+    assert RunResult(spec=tail, rows=64).idle_share == 0.0
+    with pytest.raises(ValueError, match="oversample=-1"):
+        RunSpec("dew", "tail", 0, 2, 9.0, 20, True, oversample=-1)
+    with pytest.raises(ValueError, match="task="):
+        RunSpec("dew", "tails", 0, 2, 9.0, 20, True)
 
 
 def test_two_turn_env_scores_each_turn_with_the_demo_verifier() -> None:
