@@ -46,6 +46,9 @@ __all__ = [
 ]
 
 _REQUIRED = ("tokens", "positions", "segments")
+# The trimmed forward's width is a multiple of this, so a run sees a few dozen shapes
+# rather than one per step (a compiled or cached kernel is keyed by shape).
+_COLUMNS = 16
 
 
 def chain_attention(segments: torch.Tensor) -> torch.Tensor:
@@ -195,8 +198,15 @@ def packed_forward_log_probs(
     *,
     temperature: float = 1.0,
 ) -> torch.Tensor:
-    """One forward of ``model`` over the packed rows -> [rows, width] float32 log-probs."""
-    _check_shapes(batch)
+    """One forward of ``model`` over the packed rows -> [rows, width] float32 log-probs.
+
+    The forward covers only the rows that hold a token and the columns up to the last
+    one any row uses (rounded up to ``_COLUMNS``): a fixed-shape batch of short chains
+    is mostly padding, and padding changes no real token's result (attention never
+    leaves a chain), so the trimmed forward gives the same log-probs at a fraction of
+    the cost. The result keeps the batch's shape, with 0 where nothing was computed.
+    """
+    rows, width = _check_shapes(batch)
     param = next(model.parameters())
     device = param.device
     config = getattr(model, "config", None)
@@ -207,27 +217,47 @@ def packed_forward_log_probs(
             f"model attn_implementation={impl!r} cannot take a packed block-diagonal mask; "
             f"use one of {sorted(ATTENTION_MASKS)}"
         )
-    tokens = _as_tensor(batch["tokens"], device, torch.long)  # [rows, width]
-    positions = _as_tensor(batch["positions"], device, torch.long)  # [rows, width]
     segments = _as_tensor(batch["segments"], device, torch.long)  # [rows, width]
     real = segments > 0
+    columns = real.any(dim=0).nonzero()  # [used columns, 1]
+    if len(columns):
+        used = min(width, -(-(int(columns.max()) + 1) // _COLUMNS) * _COLUMNS)
+        keep = real.any(dim=1).nonzero().squeeze(1)  # [kept rows]
+    else:  # nothing to score, but the forward still runs, over one row: a sharded
+        # model's collectives need every process in it, and the loss needs a graph
+        used, keep = min(width, _COLUMNS), torch.zeros(1, dtype=torch.long, device=device)
+    whole = len(keep) == rows and used == width
+
+    def cut(key: str) -> torch.Tensor:
+        value = _as_tensor(batch[key], device, torch.long)  # [rows, width]
+        return value if whole else value[keep, :used]
+
+    tokens, positions = cut("tokens"), cut("positions")  # [kept, used]
+    if not whole:
+        segments, real = segments[keep, :used], real[keep, :used]
     # padding may carry any id/position; make them harmless for the embedding and rotary
     tokens_in = torch.where(real, tokens, torch.zeros_like(tokens))
     positions_in = torch.where(real, positions, torch.zeros_like(positions))
     dtype = getattr(model, "dtype", param.dtype)
-    mask = encode(chain_attention(segments), dtype)  # [rows, 1, width, width]
+    mask = encode(chain_attention(segments), dtype)  # [kept, 1, used, used]
     logits = model(
         input_ids=tokens_in, attention_mask=mask, position_ids=positions_in, use_cache=False
-    ).logits  # [rows, width, vocab]
+    ).logits  # [kept, used, vocab]
     support = offsets = None
     if "support" in batch:
         support = _as_tensor(batch["support"], device, torch.long)  # [rows, capacity]
         offsets = _as_tensor(batch["support_offsets"], device, torch.long)  # [rows, width + 1]
-    return token_log_probs(
+        if not whole:  # token t's ids sit between offsets t and t + 1: keep used + 1 of them
+            support, offsets = support[keep], offsets[keep, : used + 1]
+    logp = token_log_probs(
         logits,
         tokens_in,
         segments,
         temperature=temperature,
         support=support,
         support_offsets=offsets,
-    )
+    )  # [kept, used]
+    if whole:
+        return logp
+    out = torch.zeros(rows, width, dtype=logp.dtype, device=device)
+    return out.index_copy(0, keep, torch.nn.functional.pad(logp, (0, width - used)))
