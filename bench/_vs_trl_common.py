@@ -51,6 +51,7 @@ class RunSpec:
     stop_at_reward: bool  # end the run once the time-to-reward target is reached
     ahead: int = 1  # dew only: batches generated ahead of the trainer
     oversample: int = 0  # dew only: extra rollouts per group, the slowest cancelled
+    engines: int = 0  # dew only: 0 the in-process engine, N a fleet of N engine processes
     latency: float = 0.02  # multi only: seconds slept in every environment step
     threshold: float = THRESHOLD  # the reward the time-to-reward clock waits for
     small: bool = False  # a smoke run: 2 tasks x 4 samples of at most 16 tokens per step
@@ -65,10 +66,10 @@ class RunSpec:
                 raise ValueError(f"{name}={getattr(self, name)!r} must be >= 1")
         if not self.max_seconds > 0:
             raise ValueError(f"max_seconds={self.max_seconds!r} must be > 0")
-        if self.ahead < 0 or self.latency < 0 or self.oversample < 0:
+        if min(self.ahead, self.latency, self.oversample, self.engines) < 0:
             raise ValueError(
-                f"ahead={self.ahead}, oversample={self.oversample} and latency="
-                f"{self.latency} must be >= 0"
+                f"ahead={self.ahead}, oversample={self.oversample}, engines={self.engines} "
+                f"and latency={self.latency} must be >= 0"
             )
 
     def to_json(self) -> str:
@@ -153,6 +154,7 @@ def demo_config(spec: RunSpec) -> Any:
         ahead=spec.ahead,
         max_lag=max(1, spec.ahead),
         oversample=spec.oversample,
+        engines=spec.engines,
         **small,
     )
 

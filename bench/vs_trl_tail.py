@@ -6,9 +6,10 @@ up to the token cap, and a verifier (single-turn, ``tail``) or tool calls betwee
 (multi-turn, ``tail-turns``) that take a drawn 10-300 ms each. Its parameters are
 printed with the figures.
 
-Per task, three runs per repetition, interleaved (one process at a time, so all see
-the same background load): dew with ``--policy`` (scheduler ahead / oversample), dew
-synchronous (``ahead=0``) and TRL's ``GRPOTrainer``, all from the demo's tuned settings
+Per task, four runs per repetition, interleaved (one process at a time, so all see
+the same background load): dew with ``--policy`` (scheduler ahead / oversample), the
+same on a fleet of ``--fleet`` engine processes (``dew serve``, local; 0 leaves it out),
+dew synchronous (``ahead=0``) and TRL's ``GRPOTrainer``, all from the demo's tuned settings
 for the task (``DemoConfig.for_task``: the same model, initial weights, group size,
 batch, learning rate, sampling and step cap; see ``_vs_trl_trl.grpo_config``). TRL
 verifies a batch on a thread pool and runs the multi-turn episodes through
@@ -18,10 +19,14 @@ Figures per run: wall seconds to reach the task's reward threshold (the mean ove
 last 10 steps; a run ends there or at ``--max-steps``), completions per second, the
 share of the wall time the trainer waited for its batch (dew: the scheduler's wait;
 TRL: generation and scoring, during which its trainer does not train) and the peak
-resident memory of the run's process. Medians over the repetitions; ratios are other
-seconds over dew's, so above 1 means dew is faster.
+resident memory of the run's process (the fleet's engine processes not counted).
+Medians over the repetitions; ratios are other seconds over dew's (or dew's
+completions/s over the other's), so above 1 means dew is faster. A run that never
+reached the threshold counts as its whole length, so its ratio is a lower bound (">").
+``--save DIR`` keeps every run's raw result as JSON; ``--load DIR`` renders those
+again without running anything.
 
-    .venv/bin/python bench/vs_trl_tail.py --repeats 3 --write
+    .venv/bin/python bench/vs_trl_tail.py --seeds 0,1,2 --write
 
 ``--write`` replaces the ``## vs trl: heavy-tailed workload`` section of
 bench/RESULTS.md and its summary rows; ``--tiny`` runs two small steps (2 tasks x 4
@@ -46,7 +51,7 @@ import _results
 from _results import machine, write_section, write_summary_row
 from _vs_trl_common import WINDOW, RunResult, RunSpec
 from dew.demo.tail import Workload
-from vs_trl import median_reach, reach_cell, run_worker, speed_ratio
+from vs_trl import median_reach, reach_cell, run_worker
 
 RESULTS = _results.RESULTS
 # The reward each task's runs race to, well above what an untrained model scores (about
@@ -84,46 +89,89 @@ class Policy:
         return f"dew (ahead {self.ahead}" + (f", os {self.oversample})" if self.oversample else ")")
 
 
-def _runs(policy: Policy) -> list[tuple[str, str, int, int]]:
-    """(label, system, ahead, oversample) of the three compared runs."""
-    return [
-        (policy.label(), "dew", policy.ahead, policy.oversample),
-        ("dew sync (ahead 0)", "dew", 0, 0),
-        ("TRL GRPOTrainer", "trl", 1, 0),
-    ]
+@dataclass(frozen=True)
+class Run:
+    """One of the compared runs."""
+
+    label: str
+    system: str
+    ahead: int = 1
+    oversample: int = 0
+    engines: int = 0
 
 
-def run_task(task: str, policy: Policy, args: argparse.Namespace) -> dict[str, list[RunResult]]:
-    runs = _runs(policy)
-    results: dict[str, list[RunResult]] = {label: [] for label, *_ in runs}
-    for seed in range(args.repeats):
-        for label, system, ahead, oversample in runs:
+def _runs(policy: Policy, fleet: int) -> list[Run]:
+    """dew with the policy, the same on a fleet (when ``fleet``), dew sync, TRL."""
+    ours = Run(policy.label(), "dew", policy.ahead, policy.oversample)
+    runs = [ours]
+    if fleet:
+        label = f"{ours.label[:-1]}, {fleet} engine processes)"
+        runs.append(Run(label, "dew", policy.ahead, policy.oversample, fleet))
+    return [*runs, Run("dew sync (ahead 0)", "dew", 0), Run("TRL GRPOTrainer", "trl")]
+
+
+def run_task(task: str, runs: list[Run], args: argparse.Namespace) -> dict[str, list[RunResult]]:
+    results: dict[str, list[RunResult]] = {run.label: [] for run in runs}
+    for seed in args.seeds:
+        for run in runs:
             spec = RunSpec(
-                system=system,
+                system=run.system,
                 task=task,
                 seed=seed,
                 threads=args.threads,
                 max_seconds=args.max_seconds,
                 max_steps=args.max_steps,
                 stop_at_reward=True,
-                ahead=ahead,
-                oversample=oversample,
+                ahead=run.ahead,
+                oversample=run.oversample,
+                engines=run.engines,
                 threshold=THRESHOLDS[task],
                 small=args.tiny,
             )
             result = run_worker(spec, timeout=args.max_seconds + 300)
+            if args.save:
+                name = f"{task}-{run.label}-{seed}.json".replace(" ", "_")
+                (Path(args.save) / name).write_text(result.to_json())
             print(
-                f"  {task} {label} seed {seed}: {result.steps} steps in "
+                f"  {task} {run.label} seed {seed}: {result.steps} steps in "
                 f"{result.seconds:.1f} s, {reach_cell(result)}, idle "
                 f"{result.idle_share:.0%}, peak RSS {result.peak_rss_mb:,.0f} MB",
                 file=sys.stderr,
                 flush=True,
             )
-            results[label].append(result)
+            results[run.label].append(result)
     return results
 
 
-def report(task: str, policy: Policy, results: dict[str, list[RunResult]]) -> tuple[str, list]:
+def load_task(task: str, runs: list[Run], folder: str) -> dict[str, list[RunResult]]:
+    """The saved results of ``task`` (``--load``), by run label, in seed order."""
+    results: dict[str, list[RunResult]] = {}
+    for run in runs:
+        pattern = f"{task}-{run.label}-*.json".replace(" ", "_")
+        found = [RunResult.from_json(p.read_text()) for p in Path(folder).glob(pattern)]
+        if found:
+            results[run.label] = sorted(found, key=lambda r: r.spec.seed)
+    if not results:
+        raise SystemExit(f"--load {folder}: no saved {task} results")
+    return results
+
+
+def ratio_text(ours: list[RunResult], other: list[RunResult]) -> tuple[str, float | None]:
+    """(text, ratio) of other's median seconds to the threshold over ours; a lower
+    bound ('>') when other's median run never got there, counted at its whole length."""
+    mine, _ = median_reach(ours)
+    theirs, _ = median_reach(other)
+    if mine == float("inf"):
+        return ("n/a (neither reached it)" if theirs == float("inf") else "0x"), (
+            None if theirs == float("inf") else 0.0
+        )
+    if theirs == float("inf"):
+        bound = statistics.median(r.seconds for r in other) / mine
+        return f"> {bound:.2f}x (not reached in its run)", bound
+    return f"{theirs / mine:.2f}x", theirs / mine
+
+
+def report(task: str, runs: list[Run], results: dict[str, list[RunResult]]) -> tuple[str, list]:
     """The task's table, its ratios, and its summary rows."""
     threshold = THRESHOLDS[task]
     lines = [
@@ -131,55 +179,55 @@ def report(task: str, policy: Policy, results: dict[str, list[RunResult]]) -> tu
         "| trainer idle | peak RSS |",
         "|---|---|---:|---:|---:|---:|---:|---:|",
     ]
-    seconds: dict[str, float] = {}
-    for label, runs in results.items():
-        for r in runs:
+    for label, measured in results.items():
+        for r in measured:
             lines.append(
                 f"| {label} | {r.spec.seed} | {reach_cell(r)} | {r.steps} "
                 f"| {r.completions_per_second:,.0f} | {r.seconds_per_step:.3f} "
                 f"| {r.idle_share:.0%} | {r.peak_rss_mb:,.0f} MB |"
             )
-        seconds[label], cell = median_reach(runs)
+        _, cell = median_reach(measured)
         lines.append(
-            f"| {label} | median | {cell} | {statistics.median(r.steps for r in runs):g} "
-            f"| {statistics.median(r.completions_per_second for r in runs):,.0f} "
-            f"| {statistics.median(r.seconds_per_step for r in runs):.3f} "
-            f"| {statistics.median(r.idle_share for r in runs):.0%} "
-            f"| {statistics.median(r.peak_rss_mb for r in runs):,.0f} MB |"
+            f"| {label} | median | {cell} | {statistics.median(r.steps for r in measured):g} "
+            f"| {statistics.median(r.completions_per_second for r in measured):,.0f} "
+            f"| {statistics.median(r.seconds_per_step for r in measured):.3f} "
+            f"| {statistics.median(r.idle_share for r in measured):.0%} "
+            f"| {statistics.median(r.peak_rss_mb for r in measured):,.0f} MB |"
         )
-    ours, sync, trl = (label for label, *_ in _runs(policy))
-    vs_trl = speed_ratio(seconds[ours], seconds[trl])
-    vs_sync = speed_ratio(seconds[ours], seconds[sync])
+    ours, *others = (run.label for run in runs if run.label in results)
+    sync, trl = "dew sync (ahead 0)", "TRL GRPOTrainer"
 
-    def text(ratio: float | None) -> str:
-        return "n/a (neither reached it)" if ratio is None else f"{ratio:.2f}x"
+    def rate(label: str) -> float:
+        return statistics.median(r.completions_per_second for r in results[label])
+
+    lines.append("")
+    ratios: dict[str, tuple[str, float | None]] = {}
+    for other in others:
+        ratios[other] = ratio_text(results[ours], results[other])
+        lines.append(
+            f"- {other} seconds to reward {threshold} / {ours}'s (medians): "
+            f"{ratios[other][0]}; completions/s, {ours} / {other}: "
+            f"{rate(ours) / rate(other):.2f}x"
+        )
 
     def status(ratio: float | None, target: float) -> str:
-        if ratio is None or ratio < target:
-            return f"NOT met ({text(ratio)})"
-        return "met"
+        return "met" if ratio is not None and ratio >= target else "NOT met"
 
-    lines += [
-        "",
-        f"- time to reward {threshold}, TRL seconds / {ours} seconds (medians): "
-        f"{text(vs_trl)} (target >= {TARGETS[task]:g}x)",
-        f"- time to reward {threshold}, dew sync seconds / {ours} seconds (medians): "
-        f"{text(vs_sync)} (target >= {SYNC_TARGET:g}x)",
-    ]
     n = len(results[ours])
     of = "1 run" if n == 1 else f"medians of {n}"
     rows = [
         (
             f"vs TRL, {task}: time to reward {threshold}",
-            f"{ours} vs TRL: {text(vs_trl)} ({of})",
+            f"{ours} vs TRL: {ratios[trl][0]} ({of}); completions/s {rate(ours) / rate(trl):.2f}x",
             f">= {TARGETS[task]:g}x",
-            status(vs_trl, TARGETS[task]),
+            status(ratios[trl][1], TARGETS[task]),
         ),
         (
             f"async vs sync, {task}: time to reward {threshold}",
-            f"{ours} vs dew sync: {text(vs_sync)} ({of})",
+            f"{ours} vs dew sync: {ratios[sync][0]} ({of}); completions/s "
+            f"{rate(ours) / rate(sync):.2f}x",
             f">= {SYNC_TARGET:g}x",
-            status(vs_sync, SYNC_TARGET),
+            status(ratios[sync][1], SYNC_TARGET),
         ),
     ]
     return "\n".join(lines), rows
@@ -188,8 +236,11 @@ def report(task: str, policy: Policy, results: dict[str, list[RunResult]]) -> tu
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--tasks", default="tail,tail-turns", help="comma-separated tasks")
-    ap.add_argument("--repeats", type=int, default=3, help="repetitions (seeds 0..N-1)")
+    ap.add_argument("--seeds", default="0,1,2", help="comma-separated seeds, one run each")
     ap.add_argument("--policy", default="1", help="dew's policy: ahead[,os=N] (default 1)")
+    ap.add_argument("--fleet", type=int, default=2, help="engine processes of the fleet run")
+    ap.add_argument("--save", default=None, help="folder to keep every run's result in")
+    ap.add_argument("--load", default=None, help="render the results saved in this folder")
     ap.add_argument("--threads", type=int, default=2, help="torch threads of every run")
     ap.add_argument("--max-steps", type=int, default=400, help="step cap per run")
     ap.add_argument("--max-seconds", type=float, default=900.0, help="wall cap per run")
@@ -200,11 +251,17 @@ def main() -> None:
     unknown = [t for t in tasks if t not in THRESHOLDS]
     if not tasks or unknown:
         raise SystemExit(f"--tasks: choose from {sorted(THRESHOLDS)}, got {args.tasks!r}")
-    if args.repeats < 1 or args.threads < 1 or args.max_steps < 1:
-        raise SystemExit("--repeats, --threads and --max-steps must be >= 1")
-    policy = Policy.parse(args.policy)
+    try:
+        args.seeds = [int(s) for s in args.seeds.split(",") if s.strip()]
+    except ValueError:
+        raise SystemExit(f"--seeds {args.seeds!r}: comma-separated integers") from None
+    if not args.seeds or args.threads < 1 or args.max_steps < 1 or args.fleet < 0:
+        raise SystemExit("need a seed, --threads and --max-steps >= 1, --fleet >= 0")
+    runs = _runs(Policy.parse(args.policy), args.fleet)
     if args.tiny:
-        args.repeats, args.max_steps, args.max_seconds, args.write = 1, 2, 120.0, False
+        args.seeds, args.max_steps, args.max_seconds, args.write = [0], 2, 120.0, False
+    if args.save:
+        Path(args.save).mkdir(parents=True, exist_ok=True)
     if find_spec("trl") is None:
         raise SystemExit("trl is not installed here; it comes with the dev extra")
 
@@ -213,8 +270,14 @@ def main() -> None:
     t0 = time.monotonic()
     body, rows = [], []
     for task in tasks:
-        table, task_rows = report(task, policy, run_task(task, policy, args))
-        body.append(f"### {task} (seeds 0-{args.repeats - 1})\n\n{table}\n")
+        if args.load:
+            results = load_task(task, runs, args.load)
+        else:
+            results = run_task(task, runs, args)
+        seeds = sorted({r.spec.seed for rs in results.values() for r in rs})
+        table, task_rows = report(task, runs, results)
+        named = "seed" if len(seeds) == 1 else "seeds"
+        body.append(f"### {task} ({named} {', '.join(map(str, seeds))})\n\n{table}\n")
         rows += task_rows
     elapsed = time.monotonic() - t0
     text = f"- {workload}\n\n" + "\n".join(body)

@@ -21,7 +21,12 @@ def test_vs_trl_tail_bench_tiny() -> None:
     out = run_tiny("vs_trl_tail.py", 590, "--policy", "1,os=1")
     text = out.stdout
     assert Workload().describe() in text  # the workload's parameters beside the figures
-    runs = ("dew \\(ahead 1, os 1\\)", "dew sync \\(ahead 0\\)", "TRL GRPOTrainer")
+    runs = (
+        "dew \\(ahead 1, os 1\\)",
+        "dew \\(ahead 1, os 1, 2 engine processes\\)",
+        "dew sync \\(ahead 0\\)",
+        "TRL GRPOTrainer",
+    )
     for task in ("tail", "tail-turns"):
         section = text.split(f"### {task} ")[1].split("### ")[0]
         for run in runs:
@@ -35,7 +40,12 @@ def test_vs_trl_tail_bench_tiny() -> None:
             assert int(row[1].replace(",", "")) > 0 and float(row[2]) > 0
             assert 0 < int(row[3]) <= 100  # an untrained first step always waits a while
             assert 100 < int(row[4].replace(",", "")) < 20_000  # MB: a real process's peak
-        assert "TRL seconds / dew (ahead 1, os 1) seconds" in section
+        assert re.search(
+            r"^- TRL GRPOTrainer seconds to reward [\d.]+ / dew \(ahead 1, os 1\)'s \(medians\): "
+            r".+; completions/s, dew \(ahead 1, os 1\) / TRL GRPOTrainer: \d+\.\d+x$",
+            section,
+            re.M,
+        ), section
     for task, target in (("tail", "2"), ("tail-turns", "3")):
         assert re.search(
             rf"^vs TRL, {task}: time to reward [\d.]+: .+; target >= {target}x: ", text, re.M
