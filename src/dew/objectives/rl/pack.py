@@ -23,15 +23,19 @@ Decisions the design leaves open, made here:
   so masked rollouts cost no support capacity. Every call of a rollout carries support or
   none does; a rollout mixing both is refused rather than misaligned.
 
-All per-token work is numpy: Python runs once per group, rollout and chain, and the
-final arrays are written with one scatter per field.
+All per-token work is numpy: Python runs once per group, rollout, chain and run, and
+every field of the batch is written in one pass. First fit fills each row from slot 0
+without gaps, so a row is its chains end to end followed by its padding: in row-major
+order the batch is one sequence of pieces (runs and padding), and each field is one
+concatenation or one ``np.repeat`` of per-piece values, with no masks or index arrays.
 """
 
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -56,7 +60,6 @@ from dew.objectives.rl.truncation import (
 __all__ = ["ESTIMATORS", "PackStats", "advantage_estimator", "pack"]
 
 _NO_IDS = np.zeros(0, dtype=np.int64)
-
 
 # --------------------------------------------------------------------------- stats
 
@@ -92,8 +95,13 @@ def _admit(
     rollout: Rollout, policy: Callable[[Rollout], Truncation], name: str, cap: int | None
 ) -> tuple[bool, float, bool]:
     """(trained, reward, has_support) of one rollout under the truncation policy ``name``."""
-    flags = [c.support is not None for c in rollout.calls]
-    has_support = any(flags)
+    calls = rollout.calls
+    if len(calls) == 1:  # the single-turn case: no mix of support and none is possible
+        has_support = calls[0].support is not None
+        flags = [has_support]
+    else:
+        flags = [c.support is not None for c in calls]
+        has_support = any(flags)
     if has_support and cap is None:
         raise ValueError(
             f"{rollout.key}: its calls carry support but support_capacity is None; "
@@ -150,96 +158,145 @@ def _rollout_support(rollout: Rollout) -> tuple[np.ndarray, np.ndarray]:
     return np.concatenate(counts), np.concatenate(ids)
 
 
-# --------------------------------------------------------------------------- pack
+# --------------------------------------------------------------------------- chains
 
 
-@dataclass
-class _Placed:
-    """Placed chains, one entry per chain in placement order (within a row: slot order)."""
+def _i64(x: Sequence[int]) -> np.ndarray:
+    a = np.asarray(x, dtype=np.int64)
+    return a if a.ndim == 1 else a.reshape(-1)
 
-    runs: list[list[Run]] = field(default_factory=list)  # each chain as its runs
-    lengths: list[int] = field(default_factory=list)  # tokens per chain
-    flat: list[int] = field(default_factory=list)  # row * width + first slot
-    segment: list[int] = field(default_factory=list)
-    rollout: list[int] = field(default_factory=list)
-    trained: list[bool] = field(default_factory=list)
-    advantage: list[float] = field(default_factory=list)
-    support_counts: list[np.ndarray] = field(default_factory=list)  # [len(chain)] each
-    support_ids: list[np.ndarray] = field(default_factory=list)
-    support_flat: list[int] = field(default_factory=list)  # row * capacity + first slot
 
-    def extend(self, other: _Placed) -> None:
-        for name in self.__dataclass_fields__:
-            getattr(self, name).extend(getattr(other, name))
+class _Chain(NamedTuple):
+    """One chain of a rollout, ready to place: its runs (as ``Run`` fields), its size,
+    and with support, its per-token support counts and its ids."""
+
+    runs: Sequence[Run]
+    n: int  # tokens
+    counts: np.ndarray | None  # [n] support ids per token (None: no support)
+    ids: np.ndarray  # [k] the support ids, in token order
+
+
+def _chains(rollout: Rollout, with_support: bool) -> list[_Chain]:
+    calls = rollout.calls
+    if len(calls) == 1 and not with_support:
+        # The single-turn case, once per rollout: the one chain of chain_runs (a prompt
+        # run, then a completion run) built as plain tuples, without its merge loop.
+        call = calls[0]
+        prompt, completion = _i64(call.prompt), _i64(call.completion)
+        lp = np.asarray(call.log_probs, dtype=np.float64)
+        if lp.ndim != 1:
+            lp = lp.reshape(-1)
+        v = call.version
+        runs: Any = ((prompt, False, None, v, None), (completion, True, lp, v, call.support))
+        return [_Chain(runs, len(prompt) + len(completion), None, _NO_IDS)]
+    out = []
+    if with_support:
+        # Chains hold the completions in call order, so each chain's support is the next
+        # run of the rollout's per-token counts and ids.
+        all_counts, all_ids = _rollout_support(rollout)
+        id_ends = np.cumsum(all_counts)  # [m]
+        tok_at = id_at = 0
+    for runs in chain_runs(calls):
+        n = sum(len(run.tokens) for run in runs)
+        if with_support:
+            flags = trained_mask(runs)  # [n]
+            k = int(np.count_nonzero(flags))
+            counts = np.zeros(n, dtype=np.int64)  # [n]
+            counts[flags] = all_counts[tok_at : tok_at + k]
+            id_end = int(id_ends[tok_at + k - 1])
+            out.append(_Chain(runs, n, counts, all_ids[id_at:id_end]))
+            tok_at, id_at = tok_at + k, id_end
+        else:
+            out.append(_Chain(runs, n, None, _NO_IDS))
+    return out
+
+
+# --------------------------------------------------------------------------- placement
+
+
+class _Placed(NamedTuple):
+    """A placed chain: where it went, its segment number and what it trains with."""
+
+    chain: _Chain
+    flat: int  # row * width + first slot
+    segment: int
+    rollout: int  # index into the flattened groups
+    trained: bool
+    advantage: float
+    support_flat: int  # row * capacity + first support slot (0 without support)
 
 
 class _Rows:
-    """Room left in each row; first fit with all-or-nothing placement of a group."""
+    """Room left in each row; first fit with all-or-nothing placement of a group.
+
+    First fit opens a row only when no earlier row has room, so rows ``used`` onward
+    are still empty. Rooms only shrink, and every chain of a group has at least the
+    group's shortest chain's tokens, so the rows any of them can take are the earlier
+    rows with that much room left and then the empty ones, in order: one numpy query
+    per group finds the former, and the group is placed among them in plain Python.
+    """
 
     def __init__(self, rows: int, width: int, cap: int | None) -> None:
+        self.rows = rows
         self.width = width
         self.cap = cap
         self.room = np.full(rows, width, dtype=np.int64)  # [rows] token slots left
         self.sroom = np.full(rows, cap or 0, dtype=np.int64)  # [rows] support slots left
         self.nseg = np.zeros(rows, dtype=np.int64)  # [rows] chains placed
+        self.used = 0  # rows [used, rows) are empty
 
     @property
     def filled(self) -> int:
-        return int(self.width * len(self.room) - self.room.sum())
+        return int(self.width * self.rows - self.room.sum())
 
     def place_group(
-        self,
-        group: Sequence[Rollout],
-        trained: np.ndarray,
-        supported: np.ndarray,
-        adv: np.ndarray,
-        base: int,
-    ) -> _Placed | None:
-        """Place every chain of ``group`` or, leaving the rows untouched, return None."""
-        saved = (self.room.copy(), self.sroom.copy(), self.nseg.copy())
-        out = _Placed()
-        cap, width, room = self.cap, self.width, self.room
-        for mi, rollout in enumerate(group):
-            with_support = cap is not None and bool(trained[mi]) and bool(supported[mi])
-            if with_support:
-                # Chains hold the completions in call order, so each chain's support is
-                # the next run of the rollout's per-token counts and ids.
-                all_counts, all_ids = _rollout_support(rollout)
-                id_ends = np.cumsum(all_counts)  # [m]
-                tok_at = id_at = 0
-            is_trained, advantage = bool(trained[mi]), float(adv[mi])
-            for runs in chain_runs(rollout.calls):
-                n = sum(len(run.tokens) for run in runs)
-                fits = room >= n  # [rows]
-                if with_support:
-                    flags = trained_mask(runs)  # [n]
-                    k = int(np.count_nonzero(flags))
-                    counts = np.zeros(n, dtype=np.int64)  # [n]
-                    counts[flags] = all_counts[tok_at : tok_at + k]
-                    id_end = int(id_ends[tok_at + k - 1])
-                    ids = all_ids[id_at:id_end]
-                    tok_at, id_at = tok_at + k, id_end
-                    fits &= self.sroom >= len(ids)
+        self, chains: Sequence[list[_Chain]], trained: list[bool], adv: list[float], base: int
+    ) -> list[_Placed] | None:
+        """Place every chain of a group (``chains[i]``: member i's) or, leaving the rows
+        untouched, return None."""
+        cap, width = self.cap, self.width
+        shortest = min((c.n for member in chains for c in member), default=width)
+        at = np.flatnonzero(self.room[: self.used] >= shortest).tolist()  # candidate rows
+        room = self.room[at].tolist()  # [len(at)], local until the whole group fits
+        sroom = self.sroom[at].tolist()
+        nseg = self.nseg[at].tolist()
+        opened = self.used  # the next empty row
+        out: list[_Placed] = []
+        for mi, member in enumerate(chains):
+            for chain in member:
+                n, k = chain.n, len(chain.ids)
+                for j, left in enumerate(room):
+                    if left >= n and sroom[j] >= k:  # k is 0 without support
+                        break
                 else:
-                    counts, ids = None, _NO_IDS
-                r = int(fits.argmax())
-                if not fits[r]:
-                    self.room, self.sroom, self.nseg = saved
-                    return None
-                out.runs.append(runs)
-                out.lengths.append(n)
-                out.flat.append(r * width + width - int(room[r]))
-                room[r] -= n
-                self.nseg[r] += 1
-                out.segment.append(int(self.nseg[r]))
-                out.rollout.append(base + mi)
-                out.trained.append(is_trained)
-                out.advantage.append(advantage)
-                if cap is not None:
-                    out.support_counts.append(np.zeros(n, np.int64) if counts is None else counts)
-                    out.support_ids.append(ids)
-                    out.support_flat.append(r * cap + cap - int(self.sroom[r]))
-                    self.sroom[r] -= len(ids)
+                    if opened == self.rows or n > width or k > (cap or 0):
+                        return None
+                    at.append(opened)
+                    room.append(width)
+                    sroom.append(cap or 0)
+                    nseg.append(0)
+                    opened += 1
+                    j = len(at) - 1
+                r = at[j]
+                nseg[j] += 1
+                sflat = 0 if cap is None else r * cap + cap - sroom[j]
+                out.append(
+                    _Placed(
+                        chain,
+                        r * width + width - room[j],
+                        nseg[j],
+                        base + mi,
+                        trained[mi],
+                        adv[mi],
+                        sflat,
+                    )
+                )
+                room[j] -= n
+                sroom[j] -= k
+        self.room[at] = room
+        self.sroom[at] = sroom
+        self.nseg[at] = nseg
+        self.used = opened
         return out
 
 
@@ -291,119 +348,155 @@ def pack(
     name = policy_name(truncation)
 
     space = _Rows(rows, width, cap)
-    placed = _Placed()
+    placed: list[_Placed] = []
     packed: list[int] = []
     cut: list[int] = []
     base = 0  # flat index of the group's first member
     for gi, group in enumerate(groups):
         verdicts = [_admit(r, policy, name, cap) for r in group]
-        n = len(verdicts)
-        trained = np.fromiter((v[0] for v in verdicts), dtype=bool, count=n)  # [n]
-        rewards = np.fromiter((v[1] for v in verdicts), dtype=np.float64, count=n)  # [n]
-        supported = np.fromiter((v[2] for v in verdicts), dtype=bool, count=n)  # [n]
-        adv = advantages(estimator, rewards, trained)  # [n]
-        got = space.place_group(group, trained, supported, adv, base)
+        trained = [v[0] for v in verdicts]
+        adv = advantages(
+            estimator,
+            np.array([v[1] for v in verdicts], dtype=np.float64),  # [n]
+            np.array(trained, dtype=bool),  # [n]
+        ).tolist()
+        chains = [
+            _chains(r, cap is not None and v[0] and v[2])
+            for r, v in zip(group, verdicts, strict=True)
+        ]
+        got = space.place_group(chains, trained, adv, base)
         if got is None:
-            if _Rows(rows, width, cap).place_group(group, trained, supported, adv, base) is None:
+            if _Rows(rows, width, cap).place_group(chains, trained, adv, base) is None:
                 raise ValueError(_never_fits(group, rows, width, cap))
             cut.append(gi)
         else:
-            placed.extend(got)
+            placed += got
             packed.append(gi)
-        base += n
+        base += len(group)
 
-    batch = _assemble(placed, rows, width, cap)
+    batch, trained_tokens = _assemble(placed, space)
     tokens = space.filled
     stats = PackStats(
         packed=tuple(packed),
         cut=tuple(cut),
-        trained_tokens=int(batch["loss_mask"].sum()),
+        trained_tokens=trained_tokens,
         tokens=tokens,
         padding_share=(rows * width - tokens) / (rows * width),
     )
     return batch, stats
 
 
-def _assemble(placed: _Placed, rows: int, width: int, cap: int | None) -> dict[str, np.ndarray]:
-    """Scatter the placed chains into the batch arrays in one pass per field."""
+# --------------------------------------------------------------------------- assembly
+
+
+def _assemble(placed: list[_Placed], space: _Rows) -> tuple[dict[str, np.ndarray], int]:
+    """The batch (and its trained tokens): every field written once, in row-major order.
+
+    The pieces of the flat ``[rows * width]`` batch, in order, are the placed chains
+    sorted by first slot with each row's padding after its last chain; a chain's runs
+    are consecutive pieces too. A per-chain value is one ``np.repeat`` over the pieces'
+    sizes, a per-run value one over the runs', tokens and log-probs one concatenation.
+    """
+    rows, width = space.rows, space.width
     size = rows * width
-    out: dict[str, np.ndarray] = {
-        "tokens": np.zeros(size, dtype=np.int64),
-        "positions": np.zeros(size, dtype=np.int64),
-        "segments": np.zeros(size, dtype=np.int64),
-        "loss_mask": np.zeros(size, dtype=np.float32),
-        "completion_mask": np.zeros(size, dtype=bool),
-        "advantages": np.zeros(size, dtype=np.float32),
-        "behavior_log_probs": np.zeros(size, dtype=np.float32),
-        "proximal_log_probs": np.zeros(size, dtype=np.float32),
-        "versions": np.full(size, -1, dtype=np.int64),
-        "rollout_index": np.full(size, -1, dtype=np.int64),
-    }
-    if placed.runs:
-        # First fit lays each row's chains end to end from slot 0, so the filled slots of
-        # a row are exactly [0, fill): with the chains in row-major order, every field is
-        # one boolean-mask assignment of the chains' concatenation (no index arrays), and
-        # it concatenates the chains' runs (no per-chain arrays are built).
-        flat = np.asarray(placed.flat, dtype=np.int64)  # [c]
-        order = np.argsort(flat, kind="stable")  # [c] row-major
-        lengths = np.asarray(placed.lengths, dtype=np.int64)[order]  # [c]
-        fill = np.bincount(flat[order] // width, weights=lengths, minlength=rows)  # [rows]
-        filled = (np.arange(width) < fill[:, None]).reshape(-1)  # [rows * width]
-        starts = np.cumsum(lengths) - lengths  # [c] offset of each chain in the concatenation
-        total = int(lengths.sum())
-        local = np.arange(total, dtype=np.int64) - np.repeat(starts, lengths)  # [T]
-        runs = [run for i in order for run in placed.runs[i]]
-        run_lengths = np.fromiter((len(r.tokens) for r in runs), np.int64, len(runs))  # [u]
+    pad_rows = np.flatnonzero(space.room)  # [p] rows with padding
+    pad_len = space.room[pad_rows]  # [p]
+    pad_flat = (pad_rows + 1) * width - pad_len  # [p] first padding slot of each
+    c, p = len(placed), len(pad_rows)
+    starts = np.empty(c + p, dtype=np.int64)  # [c + p] first slot of each piece
+    starts[:c] = [x.flat for x in placed]
+    starts[c:] = pad_flat
+    order = np.argsort(starts, kind="stable")  # [c + p] pieces in row-major order
+    lengths = np.empty(c + p, dtype=np.int64)  # [c + p]
+    lengths[:c] = [x.chain.n for x in placed]
+    lengths[c:] = pad_len
+    lengths = lengths[order]
 
-        def per_chain(values: list[int] | list[bool] | list[float], dtype: type) -> np.ndarray:
-            return np.repeat(np.asarray(values, dtype=dtype)[order], lengths)  # [T]
+    def per_piece(values: list[Any], pad: float, dtype: type) -> np.ndarray:
+        v = np.empty(c + p, dtype=dtype)  # [c + p]
+        v[:c] = values
+        v[c:] = pad
+        return v[order]
 
-        def per_run(values: Iterable[int] | Iterable[bool], dtype: type) -> np.ndarray:
-            return np.repeat(np.fromiter(values, dtype, len(runs)), run_lengths)  # [T]
+    # Runs in row-major order: each chain's runs, then a row's padding as one run.
+    zeros = np.zeros(width, dtype=np.int64)
+    pads = [((zeros[:k], False, None, -1, None),) for k in pad_len.tolist()]
+    items: list[Sequence[Any]] = [x.chain.runs for x in placed] + pads
+    runs = [run for i in order.tolist() for run in items[i]]
+    u = len(runs)
+    pieces = [run[0] for run in runs]
+    run_len = np.fromiter(map(len, pieces), dtype=np.int64, count=u)  # [u]
+    completion = np.fromiter((run[1] for run in runs), dtype=bool, count=u)  # [u]
+    versions = np.fromiter((run[3] for run in runs), dtype=np.int64, count=u)  # [u]
+    runs_per_piece = np.empty(c + p, dtype=np.int64)  # [c + p]
+    runs_per_piece[:c] = [len(x.chain.runs) for x in placed]
+    runs_per_piece[c:] = 1
+    runs_per_piece = runs_per_piece[order]
+    trains = per_piece([x.trained for x in placed], False, bool)  # [c + p]
+    loss = completion & np.repeat(trains, runs_per_piece)  # [u]
+    adv = per_piece([x.advantage for x in placed], 0.0, np.float64)  # [c + p]
+    run_adv = np.where(loss, np.repeat(adv, runs_per_piece), 0.0)  # [u]
 
-        completion = per_run((r.trained for r in runs), bool)  # [T]
-        loss = completion & per_chain(placed.trained, bool)
-        behavior = np.zeros(total)  # [T]
-        behavior[completion] = np.concatenate([r.log_probs for r in runs if r.trained])
-        out["tokens"][filled] = np.concatenate([r.tokens for r in runs])
-        out["positions"][filled] = local
-        out["segments"][filled] = per_chain(placed.segment, np.int64)
-        out["loss_mask"][filled] = loss
-        out["completion_mask"][filled] = completion
-        out["advantages"][filled] = np.where(loss, per_chain(placed.advantage, np.float64), 0.0)
-        out["behavior_log_probs"][filled] = behavior
-        out["versions"][filled] = per_run((r.version for r in runs), np.int64)
-        out["rollout_index"][filled] = per_chain(placed.rollout, np.int64)
+    out: dict[str, np.ndarray] = {"tokens": np.empty(size, dtype=np.int64)}
+    np.concatenate(pieces, out=out["tokens"])
+    positions = np.arange(size, dtype=np.int64)  # [size]
+    positions -= np.repeat(starts[order], lengths)
+    for first, k in zip(pad_flat.tolist(), pad_len.tolist(), strict=True):
+        positions[first : first + k] = 0  # padding holds position 0
+    out["positions"] = positions
+    out["segments"] = np.repeat(per_piece([x.segment for x in placed], 0, np.int64), lengths)
+    out["loss_mask"] = np.repeat(loss.astype(np.float32), run_len)
+    out["completion_mask"] = np.repeat(completion, run_len)
+    out["advantages"] = np.repeat(run_adv.astype(np.float32), run_len)
+    out["behavior_log_probs"] = np.empty(size, dtype=np.float32)
+    zero_lp: dict[int, np.ndarray] = {}  # log-probs of the runs without any, by size
+    lp = []
+    for run, k in zip(runs, run_len.tolist(), strict=True):
+        if run[2] is not None:
+            lp.append(run[2])
+        else:
+            z = zero_lp.get(k)
+            if z is None:
+                z = zero_lp[k] = np.zeros(k)
+            lp.append(z)
+    np.concatenate(lp, out=out["behavior_log_probs"], casting="same_kind")
+    out["proximal_log_probs"] = np.zeros(size, dtype=np.float32)
+    out["versions"] = np.repeat(versions, run_len)
+    out["rollout_index"] = np.repeat(per_piece([x.rollout for x in placed], -1, np.int64), lengths)
     batch = {k: v.reshape(rows, width) for k, v in out.items()}
-    if cap is not None:
-        batch.update(_assemble_support(placed, rows, width, cap, batch["loss_mask"].size))
-    return batch
+    if space.cap is not None:
+        batch.update(_assemble_support(placed, space, order, lengths))
+    return batch, int(run_len[loss].sum())
 
 
 def _assemble_support(
-    placed: _Placed, rows: int, width: int, cap: int, size: int
+    placed: list[_Placed], space: _Rows, order: np.ndarray, lengths: np.ndarray
 ) -> dict[str, np.ndarray]:
-    support = np.full(rows * cap, -1, dtype=np.int64)
-    counts = np.zeros(size, dtype=np.int64)  # [rows * width] support ids per token
-    if placed.runs:
-        lengths = np.fromiter(
-            (len(c) for c in placed.support_counts), dtype=np.int64, count=len(placed.runs)
-        )
-        starts = np.cumsum(lengths) - lengths
-        dest = np.repeat(np.asarray(placed.flat, dtype=np.int64), lengths) + (
-            np.arange(int(lengths.sum()), dtype=np.int64) - np.repeat(starts, lengths)
-        )
-        counts[dest] = np.concatenate(placed.support_counts)
-        nids = np.fromiter(
-            (len(i) for i in placed.support_ids), dtype=np.int64, count=len(placed.runs)
-        )
-        if nids.sum():
-            sstarts = np.cumsum(nids) - nids
-            sdest = np.repeat(np.asarray(placed.support_flat, dtype=np.int64), nids) + (
-                np.arange(int(nids.sum()), dtype=np.int64) - np.repeat(sstarts, nids)
-            )
-            support[sdest] = np.concatenate(placed.support_ids)
-    counts = counts.reshape(rows, width)
+    """``support`` and ``support_offsets``; ``order`` and ``lengths`` as in :func:`_assemble`.
+
+    Support ids fill each row of ``support`` from slot 0 in placement order, as tokens
+    fill the batch's rows, so ``support`` too is one concatenation in row-major order.
+    """
+    rows, width, cap = space.rows, space.width, space.cap
+    assert cap is not None
+    c = len(placed)
+    # Per token: the chain's counts, zeros on chains without support and on padding.
+    pieces = [x.chain.counts for x in placed] + [None] * (len(order) - c)
+    counts = np.concatenate(
+        [
+            np.zeros(k, dtype=np.int64) if pieces[i] is None else pieces[i]
+            for i, k in zip(order.tolist(), lengths.tolist(), strict=True)
+        ]
+    ).reshape(rows, width)
     offsets = np.zeros((rows, width + 1), dtype=np.int64)  # [rows, width + 1]
     np.cumsum(counts, axis=1, out=offsets[:, 1:])
+    # The ids: the chains' in the order they sit in their rows, then each row's unused slots.
+    pad_rows = np.flatnonzero(space.sroom)  # [q]
+    pad_len = space.sroom[pad_rows].tolist()
+    starts = [x.support_flat for x in placed] + (
+        (pad_rows + 1) * cap - space.sroom[pad_rows]
+    ).tolist()
+    ids = [x.chain.ids for x in placed] + [np.full(k, -1, dtype=np.int64) for k in pad_len]
+    sorder = np.argsort(np.asarray(starts, dtype=np.int64), kind="stable")
+    support = np.concatenate([ids[i] for i in sorder.tolist()])  # [rows * cap]
     return {"support": support.reshape(rows, cap), "support_offsets": offsets}
