@@ -176,6 +176,9 @@ class _Chain(NamedTuple):
     ids: np.ndarray  # [k] the support ids, in token order
 
 
+_tuple_new = tuple.__new__  # builds a named tuple without its Python-level __new__
+
+
 def _chains(rollout: Rollout, with_support: bool) -> list[_Chain]:
     calls = rollout.calls
     if len(calls) == 1 and not with_support:
@@ -187,8 +190,8 @@ def _chains(rollout: Rollout, with_support: bool) -> list[_Chain]:
         if lp.ndim != 1:
             lp = lp.reshape(-1)
         v = call.version
-        runs: Any = ((prompt, False, None, v, None), (completion, True, lp, v, call.support))
-        return [_Chain(runs, len(prompt) + len(completion), None, _NO_IDS)]
+        runs = ((prompt, False, None, v, None), (completion, True, lp, v, call.support))
+        return [_tuple_new(_Chain, (runs, len(prompt) + len(completion), None, _NO_IDS))]
     out = []
     if with_support:
         # Chains hold the completions in call order, so each chain's support is the next
@@ -214,16 +217,30 @@ def _chains(rollout: Rollout, with_support: bool) -> list[_Chain]:
 # --------------------------------------------------------------------------- placement
 
 
-class _Placed(NamedTuple):
-    """A placed chain: where it went, its segment number and what it trains with."""
+class _Placed:
+    """The placed chains and their runs, field by field, in placement order.
 
-    chain: _Chain
-    flat: int  # row * width + first slot
-    segment: int
-    rollout: int  # index into the flattened groups
-    trained: bool
-    advantage: float
-    support_flat: int  # row * capacity + first support slot (0 without support)
+    Plain lists of numbers and arrays rather than a record per chain: a batch has tens
+    of thousands of chains, and records that live until the batch is assembled would
+    each be one more object for the cyclic collector to walk, pass after pass.
+    """
+
+    def __init__(self) -> None:
+        # Per chain.
+        self.flat: list[int] = []  # row * width + first slot
+        self.length: list[int] = []  # tokens
+        self.segment: list[int] = []
+        self.rollout: list[int] = []  # index into the flattened groups
+        self.trained: list[bool] = []
+        self.advantage: list[float] = []
+        self.runs: list[int] = []  # how many runs
+        self.support_counts: list[np.ndarray | None] = []  # [length] each (None: zeros)
+        self.support_ids: list[np.ndarray] = []
+        self.support_flat: list[int] = []  # row * capacity + first support slot
+        # Per run, chain after chain.
+        self.tokens: list[np.ndarray] = []
+        self.log_probs: list[np.ndarray | None] = []  # None: not a completion run
+        self.version: list[int] = []
 
 
 class _Rows:
@@ -250,10 +267,15 @@ class _Rows:
         return int(self.width * self.rows - self.room.sum())
 
     def place_group(
-        self, chains: Sequence[list[_Chain]], trained: list[bool], adv: list[float], base: int
-    ) -> list[_Placed] | None:
-        """Place every chain of a group (``chains[i]``: member i's) or, leaving the rows
-        untouched, return None."""
+        self,
+        chains: Sequence[list[_Chain]],
+        trained: list[bool],
+        adv: list[float],
+        base: int,
+        out: _Placed | None,
+    ) -> bool:
+        """Place every chain of a group (``chains[i]``: member i's) and record them in
+        ``out``, or, leaving the rows and ``out`` untouched, return False."""
         cap, width = self.cap, self.width
         shortest = min((c.n for member in chains for c in member), default=width)
         at = np.flatnonzero(self.room[: self.used] >= shortest).tolist()  # candidate rows
@@ -261,8 +283,10 @@ class _Rows:
         sroom = self.sroom[at].tolist()
         nseg = self.nseg[at].tolist()
         opened = self.used  # the next empty row
-        out: list[_Placed] = []
-        for mi, member in enumerate(chains):
+        flat: list[int] = []  # per chain of the group, in order
+        segment: list[int] = []
+        sflat: list[int] = []
+        for member in chains:
             for chain in member:
                 n, k = chain.n, len(chain.ids)
                 for j, left in enumerate(room):
@@ -270,7 +294,7 @@ class _Rows:
                         break
                 else:
                     if opened == self.rows or n > width or k > (cap or 0):
-                        return None
+                        return False
                     at.append(opened)
                     room.append(width)
                     sroom.append(cap or 0)
@@ -278,26 +302,50 @@ class _Rows:
                     opened += 1
                     j = len(at) - 1
                 r = at[j]
+                flat.append(r * width + width - room[j])
                 nseg[j] += 1
-                sflat = 0 if cap is None else r * cap + cap - sroom[j]
-                out.append(
-                    _Placed(
-                        chain,
-                        r * width + width - room[j],
-                        nseg[j],
-                        base + mi,
-                        trained[mi],
-                        adv[mi],
-                        sflat,
-                    )
-                )
+                segment.append(nseg[j])
+                if cap is not None:
+                    sflat.append(r * cap + cap - sroom[j])
                 room[j] -= n
                 sroom[j] -= k
         self.room[at] = room
         self.sroom[at] = sroom
         self.nseg[at] = nseg
         self.used = opened
-        return out
+        if out is not None:
+            _record(out, chains, trained, adv, base, flat, segment, sflat)
+        return True
+
+
+def _record(
+    out: _Placed,
+    chains: Sequence[list[_Chain]],
+    trained: list[bool],
+    adv: list[float],
+    base: int,
+    flat: list[int],
+    segment: list[int],
+    sflat: list[int],
+) -> None:
+    """Append a placed group's chains (at ``flat``, numbered ``segment``) to ``out``."""
+    out.flat += flat
+    out.segment += segment
+    out.support_flat += sflat
+    for mi, member in enumerate(chains):
+        is_trained, advantage = trained[mi], adv[mi]
+        for chain in member:
+            out.length.append(chain.n)
+            out.rollout.append(base + mi)
+            out.trained.append(is_trained)
+            out.advantage.append(advantage)
+            out.runs.append(len(chain.runs))
+            out.support_counts.append(chain.counts)
+            out.support_ids.append(chain.ids)
+            for tokens, _, log_probs, version, _ in chain.runs:
+                out.tokens.append(tokens)
+                out.log_probs.append(log_probs)  # None on prompt runs (Run.trained False)
+                out.version.append(version)
 
 
 def _never_fits(group: Sequence[Rollout], rows: int, width: int, cap: int | None) -> str:
@@ -348,7 +396,7 @@ def pack(
     name = policy_name(truncation)
 
     space = _Rows(rows, width, cap)
-    placed: list[_Placed] = []
+    placed = _Placed()
     packed: list[int] = []
     cut: list[int] = []
     base = 0  # flat index of the group's first member
@@ -364,14 +412,12 @@ def pack(
             _chains(r, cap is not None and v[0] and v[2])
             for r, v in zip(group, verdicts, strict=True)
         ]
-        got = space.place_group(chains, trained, adv, base)
-        if got is None:
-            if _Rows(rows, width, cap).place_group(chains, trained, adv, base) is None:
-                raise ValueError(_never_fits(group, rows, width, cap))
+        if space.place_group(chains, trained, adv, base, placed):
+            packed.append(gi)
+        elif _Rows(rows, width, cap).place_group(chains, trained, adv, base, None):
             cut.append(gi)
         else:
-            placed += got
-            packed.append(gi)
+            raise ValueError(_never_fits(group, rows, width, cap))
         base += len(group)
 
     batch, trained_tokens = _assemble(placed, space)
@@ -389,7 +435,15 @@ def pack(
 # --------------------------------------------------------------------------- assembly
 
 
-def _assemble(placed: list[_Placed], space: _Rows) -> tuple[dict[str, np.ndarray], int]:
+def _with_pads(values: list[Any], pad: float, p: int, dtype: type) -> np.ndarray:
+    """[len(values) + p]: ``values``, then ``pad`` once per padding piece."""
+    out = np.empty(len(values) + p, dtype=dtype)
+    out[: len(values)] = values
+    out[len(values) :] = pad
+    return out
+
+
+def _assemble(placed: _Placed, space: _Rows) -> tuple[dict[str, np.ndarray], int]:
     """The batch (and its trained tokens): every field written once, in row-major order.
 
     The pieces of the flat ``[rows * width]`` batch, in order, are the placed chains
@@ -402,67 +456,65 @@ def _assemble(placed: list[_Placed], space: _Rows) -> tuple[dict[str, np.ndarray
     pad_rows = np.flatnonzero(space.room)  # [p] rows with padding
     pad_len = space.room[pad_rows]  # [p]
     pad_flat = (pad_rows + 1) * width - pad_len  # [p] first padding slot of each
-    c, p = len(placed), len(pad_rows)
+    c, p, u = len(placed.flat), len(pad_rows), len(placed.tokens)
     starts = np.empty(c + p, dtype=np.int64)  # [c + p] first slot of each piece
-    starts[:c] = [x.flat for x in placed]
+    starts[:c] = placed.flat
     starts[c:] = pad_flat
     order = np.argsort(starts, kind="stable")  # [c + p] pieces in row-major order
-    lengths = np.empty(c + p, dtype=np.int64)  # [c + p]
-    lengths[:c] = [x.chain.n for x in placed]
+    lengths = _with_pads(placed.length, 0, p, np.int64)  # [c + p]
     lengths[c:] = pad_len
     lengths = lengths[order]
 
-    def per_piece(values: list[Any], pad: float, dtype: type) -> np.ndarray:
-        v = np.empty(c + p, dtype=dtype)  # [c + p]
-        v[:c] = values
-        v[c:] = pad
-        return v[order]
-
-    # Runs in row-major order: each chain's runs, then a row's padding as one run.
+    # Runs in row-major order: each chain's runs, then a row's padding as one run (the
+    # runs after the chains' u).
+    nruns = _with_pads(placed.runs, 1, p, np.int64)[order]  # [c + p]
+    first = np.empty(c + p, dtype=np.int64)  # [c + p] index of each piece's first run
+    first[:c] = np.cumsum(placed.runs) - placed.runs
+    first[c:] = np.arange(u, u + p)
+    first = first[order]
+    run_order = np.repeat(first - (np.cumsum(nruns) - nruns), nruns) + np.arange(
+        int(nruns.sum())
+    )  # [u + p]
     zeros = np.zeros(width, dtype=np.int64)
-    pads = [((zeros[:k], False, None, -1, None),) for k in pad_len.tolist()]
-    items: list[Sequence[Any]] = [x.chain.runs for x in placed] + pads
-    runs = [run for i in order.tolist() for run in items[i]]
-    u = len(runs)
-    pieces = [run[0] for run in runs]
-    run_len = np.fromiter(map(len, pieces), dtype=np.int64, count=u)  # [u]
-    completion = np.fromiter((run[1] for run in runs), dtype=bool, count=u)  # [u]
-    versions = np.fromiter((run[3] for run in runs), dtype=np.int64, count=u)  # [u]
-    runs_per_piece = np.empty(c + p, dtype=np.int64)  # [c + p]
-    runs_per_piece[:c] = [len(x.chain.runs) for x in placed]
-    runs_per_piece[c:] = 1
-    runs_per_piece = runs_per_piece[order]
-    trains = per_piece([x.trained for x in placed], False, bool)  # [c + p]
-    loss = completion & np.repeat(trains, runs_per_piece)  # [u]
-    adv = per_piece([x.advantage for x in placed], 0.0, np.float64)  # [c + p]
-    run_adv = np.where(loss, np.repeat(adv, runs_per_piece), 0.0)  # [u]
+    tokens = placed.tokens + [zeros[:k] for k in pad_len.tolist()]
+    log_probs = placed.log_probs + [None] * p
+    ordered = run_order.tolist()
+    pieces = [tokens[i] for i in ordered]
+    run_len = np.fromiter(map(len, pieces), dtype=np.int64, count=len(pieces))  # [u + p]
+    completion = np.fromiter((lp is not None for lp in log_probs), dtype=bool, count=u + p)[
+        run_order
+    ]  # [u + p]
+    versions = _with_pads(placed.version, -1, p, np.int64)[run_order]  # [u + p]
+    trains = _with_pads(placed.trained, False, p, bool)[order]  # [c + p]
+    loss = completion & np.repeat(trains, nruns)  # [u + p]
+    adv = _with_pads(placed.advantage, 0.0, p, np.float64)[order]  # [c + p]
+    run_adv = np.where(loss, np.repeat(adv, nruns), 0.0)  # [u + p]
 
     out: dict[str, np.ndarray] = {"tokens": np.empty(size, dtype=np.int64)}
     np.concatenate(pieces, out=out["tokens"])
     positions = np.arange(size, dtype=np.int64)  # [size]
     positions -= np.repeat(starts[order], lengths)
-    for first, k in zip(pad_flat.tolist(), pad_len.tolist(), strict=True):
-        positions[first : first + k] = 0  # padding holds position 0
+    for at, k in zip(pad_flat.tolist(), pad_len.tolist(), strict=True):
+        positions[at : at + k] = 0  # padding holds position 0
     out["positions"] = positions
-    out["segments"] = np.repeat(per_piece([x.segment for x in placed], 0, np.int64), lengths)
+    out["segments"] = np.repeat(_with_pads(placed.segment, 0, p, np.int64)[order], lengths)
     out["loss_mask"] = np.repeat(loss.astype(np.float32), run_len)
     out["completion_mask"] = np.repeat(completion, run_len)
     out["advantages"] = np.repeat(run_adv.astype(np.float32), run_len)
     out["behavior_log_probs"] = np.empty(size, dtype=np.float32)
     zero_lp: dict[int, np.ndarray] = {}  # log-probs of the runs without any, by size
-    lp = []
-    for run, k in zip(runs, run_len.tolist(), strict=True):
-        if run[2] is not None:
-            lp.append(run[2])
-        else:
-            z = zero_lp.get(k)
-            if z is None:
-                z = zero_lp[k] = np.zeros(k)
-            lp.append(z)
-    np.concatenate(lp, out=out["behavior_log_probs"], casting="same_kind")
+    lp_pieces = []
+    for i, k in zip(ordered, run_len.tolist(), strict=True):
+        lp = log_probs[i]
+        if lp is None:
+            lp = zero_lp.get(k)
+            if lp is None:
+                lp = zero_lp[k] = np.zeros(k)
+        lp_pieces.append(lp)
+    np.concatenate(lp_pieces, out=out["behavior_log_probs"], casting="same_kind")
     out["proximal_log_probs"] = np.zeros(size, dtype=np.float32)
     out["versions"] = np.repeat(versions, run_len)
-    out["rollout_index"] = np.repeat(per_piece([x.rollout for x in placed], -1, np.int64), lengths)
+    out["rollout_index"] = np.repeat(_with_pads(placed.rollout, -1, p, np.int64)[order], lengths)
     batch = {k: v.reshape(rows, width) for k, v in out.items()}
     if space.cap is not None:
         batch.update(_assemble_support(placed, space, order, lengths))
@@ -470,7 +522,7 @@ def _assemble(placed: list[_Placed], space: _Rows) -> tuple[dict[str, np.ndarray
 
 
 def _assemble_support(
-    placed: list[_Placed], space: _Rows, order: np.ndarray, lengths: np.ndarray
+    placed: _Placed, space: _Rows, order: np.ndarray, lengths: np.ndarray
 ) -> dict[str, np.ndarray]:
     """``support`` and ``support_offsets``; ``order`` and ``lengths`` as in :func:`_assemble`.
 
@@ -479,24 +531,24 @@ def _assemble_support(
     """
     rows, width, cap = space.rows, space.width, space.cap
     assert cap is not None
-    c = len(placed)
+    c = len(placed.flat)
     # Per token: the chain's counts, zeros on chains without support and on padding.
-    pieces = [x.chain.counts for x in placed] + [None] * (len(order) - c)
-    counts = np.concatenate(
+    counts = placed.support_counts + [None] * (len(order) - c)
+    per_token = np.concatenate(
         [
-            np.zeros(k, dtype=np.int64) if pieces[i] is None else pieces[i]
+            np.zeros(k, dtype=np.int64) if counts[i] is None else counts[i]
             for i, k in zip(order.tolist(), lengths.tolist(), strict=True)
         ]
     ).reshape(rows, width)
     offsets = np.zeros((rows, width + 1), dtype=np.int64)  # [rows, width + 1]
-    np.cumsum(counts, axis=1, out=offsets[:, 1:])
+    np.cumsum(per_token, axis=1, out=offsets[:, 1:])
     # The ids: the chains' in the order they sit in their rows, then each row's unused slots.
     pad_rows = np.flatnonzero(space.sroom)  # [q]
-    pad_len = space.sroom[pad_rows].tolist()
-    starts = [x.support_flat for x in placed] + (
-        (pad_rows + 1) * cap - space.sroom[pad_rows]
-    ).tolist()
-    ids = [x.chain.ids for x in placed] + [np.full(k, -1, dtype=np.int64) for k in pad_len]
-    sorder = np.argsort(np.asarray(starts, dtype=np.int64), kind="stable")
+    pad_len = space.sroom[pad_rows]  # [q]
+    starts = np.concatenate(
+        [np.asarray(placed.support_flat, np.int64), (pad_rows + 1) * cap - pad_len]
+    )
+    ids = placed.support_ids + [np.full(k, -1, dtype=np.int64) for k in pad_len.tolist()]
+    sorder = np.argsort(starts, kind="stable")
     support = np.concatenate([ids[i] for i in sorder.tolist()])  # [rows * cap]
     return {"support": support.reshape(rows, cap), "support_offsets": offsets}
