@@ -52,13 +52,17 @@ class Driver:
         self._inbox: deque[tuple[Any, ...]] = deque()
         self._stopping = False
         # Driver-thread state.
-        self._sessions: dict[RolloutKey, tuple[Session, float]] = {}
+        # Sessions in flight and when each was started, in two maps rather than a pair per
+        # session: fewer objects in flight for the cyclic collector to walk.
+        self._sessions: dict[RolloutKey, Session] = {}
+        self._submitted: dict[RolloutKey, float] = {}
         self._failure: BaseException | None = None
         self._failure_raised = False  # whether a trainer call has raised _failure itself
         self._waiting: _Reply | None = None
         self._late_cancelled: list[Rollout] = []
-        # Sessions resolved on the driver thread: (key, session, when); only it touches this.
-        self._own: list[tuple[RolloutKey, Session, float]] = []
+        # Sessions resolved on the driver thread, as key, session, when, key, session, ...
+        # (flat, not a tuple each, for the collector's sake); only that thread touches it.
+        self._own: list[Any] = []
         self._ident: int | None = None  # the driver thread's, once it runs
         self._thread = threading.Thread(target=self._drive, name="dew-scheduler", daemon=True)
         self._thread.start()
@@ -107,7 +111,7 @@ class Driver:
     def _on_done(self, key: RolloutKey, session: Session) -> None:
         at = time.monotonic()
         if threading.get_ident() == self._ident:
-            self._own.append((key, session, at))  # drained by the loop before it waits
+            self._own += (key, session, at)  # drained by the loop before it waits
         else:
             self.post("finished", key, session, at)
 
@@ -175,15 +179,15 @@ class Driver:
             done.set_result(None)
 
     def _finished(self, key: RolloutKey, session: Session, at: float) -> None:
-        entry = self._sessions.pop(key, None)
-        if entry is None:  # cancelled by us: the result is fenced off
+        if self._sessions.pop(key, None) is None:  # cancelled by us: the result is fenced off
             self._observe_late(session)
             return
+        submitted = self._submitted.pop(key)
         if self._failure is not None:
             return
         # As _guard, without a closure per event: this runs once per rollout.
         try:
-            rollout = _stamp(session.result(), entry[1], at)
+            rollout = _stamp(session.result(), submitted, at)
             actions = self._admission.finished(key, rollout, at)
             if actions:
                 self._execute(actions)
@@ -195,9 +199,8 @@ class Driver:
         own = self._own
         i = 0
         while i < len(own):
-            key, session, at = own[i]
-            self._finished(key, session, at)
-            i += 1
+            self._finished(own[i], own[i + 1], own[i + 2])
+            i += 3
         own.clear()
 
     def _start_call(self, reply: _Reply) -> None:
@@ -273,24 +276,27 @@ class Driver:
             self._break(exc)
 
     def _execute(self, actions: Sequence[Start | Cancel]) -> None:
-        sessions = self._sessions
+        sessions, submitted = self._sessions, self._submitted
         for action in actions:
             if isinstance(action, Start):
                 key = action.key
                 session = self._source.start(action.task, key)
-                sessions[key] = (session, time.monotonic())
+                sessions[key] = session
+                submitted[key] = time.monotonic()
                 session.add_done_callback(partial(self._on_done, key))
             else:
-                entry = sessions.pop(action.key, None)
-                if entry is not None:
-                    entry[0].cancel()
+                session = sessions.pop(action.key, None)
+                if session is not None:
+                    del submitted[action.key]
+                    session.cancel()
 
     def _break(self, exc: BaseException) -> None:
         if self._failure is None:
             self._failure = exc
-        for session, _ in self._sessions.values():
+        for session in self._sessions.values():
             session.cancel()
         self._sessions.clear()
+        self._submitted.clear()
         self._admission.reopen()  # forget the work; its sessions were cancelled above
 
     def _fail_waiting(self, exc: BaseException) -> None:

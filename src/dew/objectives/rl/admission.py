@@ -83,6 +83,7 @@ class _G(Enum):
 @dataclass(eq=False, slots=True)
 class _Sample:
     index: int
+    group: _Group
     attempt: int = -1  # no attempt yet
     failures: int = 0
     state: _S = _S.IDLE
@@ -164,7 +165,10 @@ class Admission:
         self._seq = itertools.count()
         self._gid = itertools.count()
         self._order = itertools.count()
-        self._running: dict[RolloutKey, tuple[_Group, _Sample]] = {}
+        # Running attempts by key. A sample reaches its group through ``group``: a
+        # (group, sample) pair per start would be one more object per rollout in flight
+        # for the cyclic collector to walk.
+        self._running: dict[RolloutKey, _Sample] = {}
         self._deadlines: list[tuple[float, RolloutKey]] = []
         self.closed = False
         self._errors: deque[str] = deque(maxlen=_ERRORS_KEPT)
@@ -208,7 +212,8 @@ class Admission:
         actions: list[Action] = []
         n = self.config.groups + self.config.oversample
         for task in b.tasks:
-            g = _Group(next(self._gid), task, b, [_Sample(i) for i in range(n)])
+            g = _Group(next(self._gid), task, b, [])
+            g.samples = [_Sample(i, g) for i in range(n)]
             b.groups.append(g)
             b.running += 1
             self._top_up(g, now, actions)
@@ -249,7 +254,7 @@ class Admission:
         # tuple.__new__ skips the named tuple's generated __new__: one fewer Python call
         # per start, which the planner makes tens of thousands of times per plan.
         key = s.key = _tuple_new(RolloutKey, (g.gid, s.index, s.attempt))
-        self._running[key] = (g, s)
+        self._running[key] = s
         timeout = self.config.timeout
         if timeout is not None:
             heapq.heappush(self._deadlines, (now + timeout, key))
@@ -339,8 +344,8 @@ class Admission:
 
     def finished(self, key: RolloutKey, rollout: Rollout, now: float) -> list[Action]:
         """A session resolved. Stale attempts and post-cancel results are ignored."""
-        entry = self._running.get(key)
-        if entry is None:
+        s = self._running.get(key)
+        if s is None:
             return []
         if rollout.key != key:
             raise ValueError(f"{key}: the source returned a rollout labelled {rollout.key}")
@@ -357,7 +362,7 @@ class Admission:
         if status in (Status.COMPLETED, Status.AGENT_ERROR) and rollout.reward is None:
             raise ValueError(f"{key}: status {status.name} needs a reward from the verifier")
         del self._running[key]
-        g, s = entry
+        g = s.group
         actions: list[Action] = []
         cause: str | None = None
         if status is Status.TRUNCATED:
@@ -394,10 +399,10 @@ class Admission:
         touched: dict[int, _Group] = {}
         while self._deadlines and self._deadlines[0][0] <= now:
             _, key = heapq.heappop(self._deadlines)
-            entry = self._running.get(key)
-            if entry is None:
+            s = self._running.get(key)
+            if s is None:
                 continue
-            g, s = entry
+            g = s.group
             self._errors.append(f"{key}: timeout: still running {self.config.timeout:g} s in")
             self._stop(s, "failed:timeout", actions)
             self._count_failure(s, "timeout")
