@@ -44,12 +44,13 @@ def session_metrics(
     if n == 0:
         return out
     out["merge_ratio"] = merge_ratio(rollouts)
+    statuses = [r.status for r in rollouts]
     for status in Status:
-        out[f"status/{status.value}"] = sum(r.status is status for r in rollouts) / n
+        out[f"status/{status.value}"] = statuses.count(status) / n
     rewards = [r.reward for r in rollouts if r.reward is not None]
     if rewards:
         out["reward/mean"] = float(np.mean(rewards))
-    names = sorted({k for r in rollouts for k in r.components})
+    names = sorted({k for r in rollouts if r.components for k in r.components})
     for name in names:
         vals = [r.components[name] for r in rollouts if name in r.components]
         out[f"reward/{name}"] = float(np.mean(vals))
@@ -64,15 +65,36 @@ def session_metrics(
         missing = sorted(_BATCH_KEYS - set(batch))
         if missing:
             raise ValueError(f"batch lacks {missing}; session_metrics reads a batch made by pack")
-        mask = np.asarray(batch["loss_mask"]) > 0
-        real = np.asarray(batch["segments"]) > 0
-        versions = np.asarray(batch["versions"])
-        out["trained_tokens"] = float(mask.sum())
-        # Share of completion tokens that carry no loss (masked truncations).
-        completion = real & (versions >= 0) & (np.asarray(batch["completion_mask"]) > 0)
-        out["masked_share"] = float((completion & ~mask).sum() / max(completion.sum(), 1))
-        if updates is not None and mask.any():
-            lag = updates - versions[mask]
-            out["token_lag_mean"] = float(lag.mean())
-            out["token_lag_max"] = float(lag.max())
+        out.update(_batch_metrics(batch, updates))
     return out
+
+
+def _batch_metrics(batch: Mapping[str, np.ndarray], updates: int | None) -> dict[str, float]:
+    # Every array is [rows, width]: millions of slots a call, so each pass over one
+    # counts, and counts are taken with count_nonzero rather than by summing masks.
+    out: dict[str, float] = {}
+    mask = np.asarray(batch["loss_mask"]) > 0
+    versions = np.asarray(batch["versions"])
+    trained = np.count_nonzero(mask)
+    out["trained_tokens"] = float(trained)
+    # Share of completion tokens that carry no loss (masked truncations).
+    completion = np.asarray(batch["completion_mask"])
+    completion = completion.copy() if completion.dtype == bool else completion > 0
+    completion &= np.asarray(batch["segments"]) > 0
+    completion &= versions >= 0
+    tokens = np.count_nonzero(completion)
+    masked = tokens - np.count_nonzero(completion & mask)
+    out["masked_share"] = float(masked / max(tokens, 1))
+    if updates is not None and trained:
+        # The lag's sum and minimum, summed and taken where the mask is rather than over
+        # a gathered copy; the mean is the exact integer sum over the count, as before.
+        total = int(np.add.reduce(versions, axis=None, where=mask, dtype=np.int64))
+        newest_lag = updates - int(
+            np.minimum.reduce(versions, axis=None, where=mask, initial=_INT_MAX)
+        )
+        out["token_lag_mean"] = float((updates * trained - total) / trained)
+        out["token_lag_max"] = float(newest_lag)
+    return out
+
+
+_INT_MAX = np.iinfo(np.int64).max
