@@ -161,11 +161,6 @@ def _rollout_support(rollout: Rollout) -> tuple[np.ndarray, np.ndarray]:
 # --------------------------------------------------------------------------- chains
 
 
-def _i64(x: Sequence[int]) -> np.ndarray:
-    a = np.asarray(x, dtype=np.int64)
-    return a if a.ndim == 1 else a.reshape(-1)
-
-
 class _Chain(NamedTuple):
     """One chain of a rollout, ready to place: its runs (as ``Run`` fields), its size,
     and with support, its per-token support counts and its ids."""
@@ -185,7 +180,12 @@ def _chains(rollout: Rollout, with_support: bool) -> list[_Chain]:
         # The single-turn case, once per rollout: the one chain of chain_runs (a prompt
         # run, then a completion run) built as plain tuples, without its merge loop.
         call = calls[0]
-        prompt, completion = _i64(call.prompt), _i64(call.completion)
+        prompt = np.asarray(call.prompt, dtype=np.int64)
+        if prompt.ndim != 1:
+            prompt = prompt.reshape(-1)
+        completion = np.asarray(call.completion, dtype=np.int64)
+        if completion.ndim != 1:
+            completion = completion.reshape(-1)
         lp = np.asarray(call.log_probs, dtype=np.float64)
         if lp.ndim != 1:
             lp = lp.reshape(-1)
@@ -492,11 +492,11 @@ def _assemble(placed: _Placed, space: _Rows) -> tuple[dict[str, np.ndarray], int
 
     out: dict[str, np.ndarray] = {"tokens": np.empty(size, dtype=np.int64)}
     np.concatenate(pieces, out=out["tokens"])
-    positions = np.arange(size, dtype=np.int64)  # [size]
-    positions -= np.repeat(starts[order], lengths)
-    for at, k in zip(pad_flat.tolist(), pad_len.tolist(), strict=True):
-        positions[at : at + k] = 0  # padding holds position 0
-    out["positions"] = positions
+    # Positions: 0, 1, ... along each chain, 0 on padding; one pass, from views.
+    count = np.arange(width, dtype=np.int64)
+    out["positions"] = np.empty(size, dtype=np.int64)
+    ks = zip(order.tolist(), lengths.tolist(), strict=True)
+    np.concatenate([(count if i < c else zeros)[:k] for i, k in ks], out=out["positions"])
     out["segments"] = np.repeat(_with_pads(placed.segment, 0, p, np.int64)[order], lengths)
     out["loss_mask"] = np.repeat(loss.astype(np.float32), run_len)
     out["completion_mask"] = np.repeat(completion, run_len)
