@@ -277,13 +277,14 @@ class Driver:
 
     def _execute(self, actions: Sequence[Start | Cancel]) -> None:
         sessions, submitted = self._sessions, self._submitted
+        start, on_done, now = self._source.start, self._on_done, time.monotonic
         for action in actions:
             if isinstance(action, Start):
                 key = action.key
-                session = self._source.start(action.task, key)
+                session = start(action.task, key)
                 sessions[key] = session
-                submitted[key] = time.monotonic()
-                session.add_done_callback(partial(self._on_done, key))
+                submitted[key] = now()
+                session.add_done_callback(partial(on_done, key))
             else:
                 session = sessions.pop(action.key, None)
                 if session is not None:

@@ -60,6 +60,8 @@ from dew.objectives.rl.truncation import (
 __all__ = ["ESTIMATORS", "PackStats", "advantage_estimator", "pack"]
 
 _NO_IDS = np.zeros(0, dtype=np.int64)
+# Read per rollout: on Python 3.11 ``Status.COMPLETED`` costs a descriptor call each time.
+_COMPLETED, _AGENT_ERROR, _TRUNCATED = Status.COMPLETED, Status.AGENT_ERROR, Status.TRUNCATED
 
 # --------------------------------------------------------------------------- stats
 
@@ -113,13 +115,13 @@ def _admit(
             "do; every call of a rollout must carry support or none may"
         )
     status = rollout.status
-    if status is Status.COMPLETED or status is Status.AGENT_ERROR:
+    if status is _COMPLETED or status is _AGENT_ERROR:
         if rollout.reward is None:
             raise ValueError(
                 f"{rollout.key}: status {status.name} needs a reward to be packed, got None"
             )
         return True, float(rollout.reward), has_support
-    if status is Status.TRUNCATED:
+    if status is _TRUNCATED:
         verdict = policy(rollout)
         if verdict.resubmit is not None:
             raise ValueError(
