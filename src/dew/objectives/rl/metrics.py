@@ -70,31 +70,49 @@ def session_metrics(
 
 
 def _batch_metrics(batch: Mapping[str, np.ndarray], updates: int | None) -> dict[str, float]:
-    # Every array is [rows, width]: millions of slots a call, so each pass over one
-    # counts, and counts are taken with count_nonzero rather than by summing masks.
-    out: dict[str, float] = {}
-    mask = np.asarray(batch["loss_mask"]) > 0
+    loss = np.asarray(batch["loss_mask"])
+    segments = np.asarray(batch["segments"])
     versions = np.asarray(batch["versions"])
-    trained = np.count_nonzero(mask)
-    out["trained_tokens"] = float(trained)
-    # Share of completion tokens that carry no loss (masked truncations).
     completion = np.asarray(batch["completion_mask"])
-    completion = completion.copy() if completion.dtype == bool else completion > 0
-    completion &= np.asarray(batch["segments"]) > 0
-    completion &= versions >= 0
-    tokens = np.count_nonzero(completion)
-    masked = tokens - np.count_nonzero(completion & mask)
+    # Millions of slots a call, read by several passes each: taken a slice of slots at a
+    # time so that every pass after the first finds its slice in cache. (Arrays of other
+    # shapes, which pack never makes, are taken whole: numpy broadcasts them as before.)
+    shape = loss.shape
+    if segments.shape == versions.shape == completion.shape == shape:
+        loss, segments, versions, completion = (
+            x.reshape(-1) for x in (loss, segments, versions, completion)
+        )
+        step = _SLICE
+    else:
+        step = loss.size or 1
+    trained = tokens = masked = lag_sum = 0
+    oldest = _INT_MAX  # the smallest version among trained tokens
+    for at in range(0, loss.size, step) if loss.size else ():
+        end = at + step
+        mask = loss[at:end] > 0
+        v = versions[at:end]
+        c = completion[at:end]
+        c = c.copy() if c.dtype == bool else c > 0
+        c &= segments[at:end] > 0
+        c &= v >= 0  # completion tokens: real, with a version
+        k = np.count_nonzero(mask)
+        trained += k
+        tokens += np.count_nonzero(c)
+        masked += np.count_nonzero(c & ~mask)
+        if updates is not None and k:
+            # Summed and taken where the mask is, not over a gathered copy; the mean is
+            # the exact integer sum over the count.
+            lag_sum += int(np.add.reduce(v, axis=None, where=mask, dtype=np.int64))
+            low = int(np.minimum.reduce(v, axis=None, where=mask, initial=_INT_MAX))
+            oldest = min(oldest, low)
+    out: dict[str, float] = {"trained_tokens": float(trained)}
+    # Share of completion tokens that carry no loss (masked truncations).
     out["masked_share"] = float(masked / max(tokens, 1))
     if updates is not None and trained:
-        # The lag's sum and minimum, summed and taken where the mask is rather than over
-        # a gathered copy; the mean is the exact integer sum over the count, as before.
-        total = int(np.add.reduce(versions, axis=None, where=mask, dtype=np.int64))
-        newest_lag = updates - int(
-            np.minimum.reduce(versions, axis=None, where=mask, initial=_INT_MAX)
-        )
-        out["token_lag_mean"] = float((updates * trained - total) / trained)
-        out["token_lag_max"] = float(newest_lag)
+        out["token_lag_mean"] = float((updates * trained - lag_sum) / trained)
+        out["token_lag_max"] = float(updates - oldest)
     return out
 
 
+_SLICE = 1 << 17  # slots per slice: a few MB over the four arrays
 _INT_MAX = np.iinfo(np.int64).max
