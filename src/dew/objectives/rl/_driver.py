@@ -131,13 +131,15 @@ class Driver:
         adm = self._admission
         while True:
             with self._cond:
-                while not self._inbox and not self._stopping:
+                # Finishes left in _own by the expiry or consumption below (a resubmission
+                # or a cancel that resolved at once) are work too: never wait past them.
+                while not self._inbox and not self._own and not self._stopping:
                     deadline = adm.next_deadline()
                     wait = None if deadline is None else deadline - time.monotonic()
                     if wait is not None and wait <= 0:
                         break
                     self._cond.wait(wait)
-                if self._stopping and not self._inbox:
+                if self._stopping and not self._inbox and not self._own:
                     return
                 events = list(self._inbox)
                 self._inbox.clear()
