@@ -529,28 +529,34 @@ def _assemble_support(
     """``support`` and ``support_offsets``; ``order`` and ``lengths`` as in :func:`_assemble`.
 
     Support ids fill each row of ``support`` from slot 0 in placement order, as tokens
-    fill the batch's rows, so ``support`` too is one concatenation in row-major order.
+    fill the batch's rows: the chains' ids sorted by first support slot are each row's
+    ids end to end, written into rows of -1 one slice per row.
     """
     rows, width, cap = space.rows, space.width, space.cap
     assert cap is not None
     c = len(placed.flat)
     # Per token: the chain's counts, zeros on chains without support and on padding.
     counts = placed.support_counts + [None] * (len(order) - c)
-    per_token = np.concatenate(
+    zeros = np.zeros(width, dtype=np.int64)
+    per_token = np.empty(rows * width, dtype=np.int64)
+    np.concatenate(
         [
-            np.zeros(k, dtype=np.int64) if counts[i] is None else counts[i]
+            zeros[:k] if counts[i] is None else counts[i]
             for i, k in zip(order.tolist(), lengths.tolist(), strict=True)
-        ]
-    ).reshape(rows, width)
-    offsets = np.zeros((rows, width + 1), dtype=np.int64)  # [rows, width + 1]
-    np.cumsum(per_token, axis=1, out=offsets[:, 1:])
-    # The ids: the chains' in the order they sit in their rows, then each row's unused slots.
-    pad_rows = np.flatnonzero(space.sroom)  # [q]
-    pad_len = space.sroom[pad_rows]  # [q]
-    starts = np.concatenate(
-        [np.asarray(placed.support_flat, np.int64), (pad_rows + 1) * cap - pad_len]
+        ],
+        out=per_token,
     )
-    ids = placed.support_ids + [np.full(k, -1, dtype=np.int64) for k in pad_len.tolist()]
-    sorder = np.argsort(starts, kind="stable")
-    support = np.concatenate([ids[i] for i in sorder.tolist()])  # [rows * cap]
-    return {"support": support.reshape(rows, cap), "support_offsets": offsets}
+    offsets = np.zeros((rows, width + 1), dtype=np.int64)  # [rows, width + 1]
+    np.cumsum(per_token.reshape(rows, width), axis=1, out=offsets[:, 1:])
+    support = np.full((rows, cap), -1, dtype=np.int64)  # [rows, cap]
+    sorder = np.argsort(np.asarray(placed.support_flat, dtype=np.int64), kind="stable")
+    ids = [placed.support_ids[i] for i in sorder.tolist()]
+    if ids:
+        all_ids = np.concatenate(ids)  # row after row
+        used = cap - space.sroom  # [rows] ids in each row
+        at = 0
+        for r in np.flatnonzero(used).tolist():
+            k = int(used[r])
+            support[r, :k] = all_ids[at : at + k]
+            at += k
+    return {"support": support, "support_offsets": offsets}
