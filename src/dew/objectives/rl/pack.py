@@ -463,12 +463,10 @@ def _assemble(placed: _Placed, space: _Rows) -> tuple[dict[str, np.ndarray], int
     starts[:c] = placed.flat
     starts[c:] = pad_flat
     order = np.argsort(starts, kind="stable")  # [c + p] pieces in row-major order
-    lengths = _with_pads(placed.length, 0, p, np.int64)  # [c + p]
-    lengths[c:] = pad_len
-    lengths = lengths[order]
+    lengths = np.concatenate([np.asarray(placed.length, dtype=np.int64), pad_len])[order]
 
-    # Runs in row-major order: each chain's runs, then a row's padding as one run (the
-    # runs after the chains' u).
+    # Runs in row-major order: each chain's runs, and each row's padding as one run of
+    # its own (numbered after the chains' u runs).
     nruns = _with_pads(placed.runs, 1, p, np.int64)[order]  # [c + p]
     first = np.empty(c + p, dtype=np.int64)  # [c + p] index of each piece's first run
     first[:c] = np.cumsum(placed.runs) - placed.runs
@@ -483,6 +481,7 @@ def _assemble(placed: _Placed, space: _Rows) -> tuple[dict[str, np.ndarray], int
     ordered = run_order.tolist()
     pieces = [tokens[i] for i in ordered]
     run_len = np.fromiter(map(len, pieces), dtype=np.int64, count=len(pieces))  # [u + p]
+    # A completion run is one with log-probs: prompt runs and padding carry None.
     completion = np.fromiter((lp is not None for lp in log_probs), dtype=bool, count=u + p)[
         run_order
     ]  # [u + p]
