@@ -11,7 +11,12 @@ them all. Each engine iteration:
    most), so they are prefilled as one batch;
 2. after a load, recomputes the running requests' keys/values under the new weights, so
    every token sampled after a push comes from the new weights alone; then prefills the
-   admitted requests (left-padded, grouped by length) and samples their first token;
+   admitted requests (left-padded, grouped by length) and samples their first token.
+   Prefill is shared (:mod:`dew.serving._prefix`): identical prompts admitted together
+   (a GRPO group's samples) are computed once, their keys/values copied into each
+   sample's slot and each first token drawn independently from the shared logits; a
+   prompt that equals or extends an active request's prompt copies those columns and
+   computes only the rest;
 3. runs one decode step for every active request together and samples one token each;
 4. finishes requests that hit a stop token or ``max_tokens``; their slots are freed at
    once, so requests join and leave at every iteration.
@@ -37,6 +42,14 @@ Invariants:
   recorded version is the minimum over the versions that served any of its tokens.
 * Invalid input is refused with ``ValueError`` in the caller's thread, before it reaches
   the engine, so it cannot disturb anyone else's request.
+* Every column ``0 .. cached-1`` of an active request's slot holds the keys/values of
+  that request's own tokens under the weights being served: a load is followed by a
+  recompute of every active slot before anything is admitted, and a shared prefix is
+  copied only from a slot active in the same iteration (or from a leader computed in
+  the same iteration), never from a finished request. So no prefix computed under old
+  weights serves a request after a load, and a copied prefix equals a recomputed one.
+* A copy is private: once admitted, a request owns its slot's columns; an abort or
+  finish of one sample of a group leaves its siblings' keys/values untouched.
 """
 
 from __future__ import annotations
@@ -53,6 +66,7 @@ import torch
 
 from dew.core import Aborted, Call, Engine, SamplingParams
 from dew.serving._kv import ModelCall, SlotCache
+from dew.serving._prefix import Row, plan_admission
 from dew.serving._requests import (
     CallFuture,
     Load,
@@ -79,6 +93,8 @@ class RolloutServer(Engine):
     served until the first :meth:`load`. ``max_batch`` bounds the active requests,
     ``max_len`` the prompt plus completion length (default: the model's
     ``max_position_embeddings``). ``seed`` seeds the engine's sampler.
+    ``share_prefixes=False`` turns prefix sharing off (every prompt is computed in
+    full; for comparisons).
 
     Greedy requests (``temperature=0``) report log-prob 0.0 per token (the point mass on
     the argmax), ``temperature=1.0`` in their :class:`Call`, and a one-id support per
@@ -103,6 +119,7 @@ class RolloutServer(Engine):
         max_batch: int = 64,
         max_len: int | None = None,
         seed: int = 0,
+        share_prefixes: bool = True,
     ) -> None:
         version = as_int(version, "version")
         if version < 0:
@@ -145,6 +162,9 @@ class RolloutServer(Engine):
         self._iteration = 0  # written by the engine under _cond
         self._active: list[Request] = []  # engine thread only; index = slot
         self._rows: RowSettings | None = None  # engine thread only; cache of _active's settings
+        self._share = bool(share_prefixes)
+        self._served = 0  # written by the engine thread only: prompt tokens admitted
+        self._computed = 0  # ... and those of them run through the model
         self._thread = threading.Thread(target=self._run, name="RolloutServer-engine", daemon=True)
         self._thread.start()
 
@@ -177,13 +197,21 @@ class RolloutServer(Engine):
         return up and self._thread.is_alive()
 
     def stats(self) -> dict[str, int]:
-        """Sizes of the internal tables (for tests and monitoring)."""
+        """Sizes of the internal tables, and counters (for tests and monitoring).
+
+        ``prompt_tokens``: prompt tokens of every request admitted so far (served);
+        ``prompt_tokens_computed``: those the model actually ran at admission. The rest
+        were copied from a shared prefix, so for single-turn groups of G identical
+        prompts admitted together, computed is served / G.
+        """
         with self._cond:
             return {
                 "pending": len(self._pending),
                 "active": len(self._active),
                 "loads": len(self._loads),
                 "iterations": self._iteration,
+                "prompt_tokens": self._served,
+                "prompt_tokens_computed": self._computed,
             }
 
     def load(self, variables: torch.nn.Module | Mapping[str, torch.Tensor], version: int) -> None:
@@ -469,25 +497,72 @@ class RolloutServer(Engine):
         self._cache.set_prefill(slots, [len(s) for s in seqs], width)
         return self._call(ids, positions, allowed.unsqueeze(1), self._cache)
 
+    def _forward_extend(self, group: list[Row], first: int) -> torch.Tensor:
+        """Run each row's prompt from its ``start`` on (left-padded, longest first) through
+        the model into slots ``first ..``, over the prefix columns those slots already
+        hold; returns the last position's logits [k, V]."""
+        news = [r.request.prompt[r.start :] for r in group]
+        width = len(news[0])
+        span = max(len(r.request.prompt) for r in group)
+        lens = torch.tensor([len(t) for t in news], device=self._device)  # [k]
+        starts = torch.tensor([r.start for r in group], device=self._device)  # [k]
+        ids = torch.tensor(
+            [[0] * (width - len(t)) + t for t in news], device=self._device
+        )  # [k, T] left-padded
+        col = torch.arange(width, device=self._device)  # [T]
+        # Padded queries get position 0 or a copied one: they only see finite columns.
+        positions = (starts.unsqueeze(1) + col - (width - lens).unsqueeze(1)).clamp(min=0)
+        key = torch.arange(span, device=self._device)  # [S]
+        allowed = key <= positions.unsqueeze(2)  # [k, T, S] key column <= query position
+        self._cache.set_extend(first, [r.start for r in group], lens.tolist(), width, span)
+        return self._call(ids, positions, allowed.unsqueeze(1), self._cache)
+
     def _prefill(self, joiners: list[Request]) -> None:
+        """Admit ``joiners``: compute each distinct prompt once (from its resident prefix
+        on, see :mod:`dew.serving._prefix`), copy it to its identical followers, and
+        sample every joiner's first token."""
         version = self._version
-        for group in prefill_groups(joiners, lambda r: len(r.prompt)):
+        plan = plan_admission(joiners, self._active) if self._share else [Row(r) for r in joiners]
+        for group in prefill_groups(plan, lambda row: row.new):
             first = len(self._active)
-            logits = self._forward_prefill(
-                [r.prompt for r in group], list(range(first, first + len(group)))
-            )
-            for r in group:
+            members = [row.request for row in group]
+            source_of = list(range(len(group)))  # member -> its row of logits
+            for i, row in enumerate(group):
+                members += row.followers
+                source_of += [i] * len(row.followers)
+            span = max(len(r.prompt) for r in members)
+            self._cache.reserve(first + len(members), span)
+            copies = [(row.source, first + i, row.start) for i, row in enumerate(group)]
+            copies = [c for c in copies if c[0] is not None]
+            if copies:  # resident prefixes into the new slots, before the forward
+                slot = {id(r): i for i, r in enumerate(self._active)}
+                self._cache.move(
+                    [slot[id(c[0])] for c in copies],
+                    [c[1] for c in copies],
+                    max(c[2] for c in copies),
+                )
+            logits = self._forward_extend(group, first)  # [len(group), V]
+            if len(members) > len(group):  # identical prompts: copy the leader's columns
+                self._cache.move(
+                    [first + i for i in source_of[len(group) :]],
+                    list(range(first + len(group), first + len(members))),
+                    span,
+                )
+                logits = logits[torch.tensor(source_of, device=self._device)]  # [m, V]
+            self._served += sum(len(r.prompt) for r in members)
+            self._computed += sum(row.new for row in group)
+            for r in members:
                 r.version = version
-            self._active.extend(group)
+            self._active.extend(members)
             self._rows = None
             rows = settings(
-                [r.temperature for r in group],
-                [r.top_k for r in group],
-                [r.top_p for r in group],
+                [r.temperature for r in members],
+                [r.top_k for r in members],
+                [r.top_p for r in members],
                 self._vocab,
                 self._device,
             )
-            self._take(group, logits, rows)
+            self._take(members, logits, rows)
 
     def _refill(self) -> None:
         """Recompute every active request's keys/values under the weights just loaded, so
