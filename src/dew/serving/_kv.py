@@ -38,6 +38,7 @@ from typing import Any
 import torch
 
 from dew._attention import ATTENTION_MASKS as MASKS
+from dew.serving._decode import lean_decode
 
 __all__ = ["MASKS", "ModelCall", "SlotCache"]
 
@@ -186,9 +187,11 @@ class SlotCache:
 
 class ModelCall:
     """Calls a causal LM with our cache and mask under whatever keyword names its
-    ``transformers`` version uses; returns float logits of the last position ``[b, V]``."""
+    ``transformers`` version uses; returns float logits of the last position ``[b, V]``.
+    Decode steps take the lean path of :mod:`dew.serving._decode` where the model has
+    one (``lean=False``: always the model's own forward)."""
 
-    def __init__(self, model: torch.nn.Module) -> None:
+    def __init__(self, model: torch.nn.Module, *, lean: bool = True) -> None:
         attn = getattr(model.config, "_attn_implementation", None) or "eager"
         if attn not in MASKS:
             raise ValueError(
@@ -209,6 +212,15 @@ class ModelCall:
         self.mask = MASKS[attn]
         self.model = model
         self.dtype = next(model.parameters()).dtype
+        self.lean = lean_decode(model) if lean else None
+
+    def decode(
+        self, ids: torch.Tensor, positions: torch.Tensor, allowed: torch.Tensor, cache: SlotCache
+    ) -> torch.Tensor:
+        """One decode step (``ids`` [n, 1]): the lean path when the model has one."""
+        if self.lean is None:
+            return self(ids, positions, allowed, cache)
+        return self.lean(ids, positions, self.mask(allowed, self.dtype), cache)
 
     def __call__(
         self, ids: torch.Tensor, positions: torch.Tensor, allowed: torch.Tensor, cache: SlotCache

@@ -584,5 +584,5 @@ class RolloutServer(Engine):
         key = torch.arange(width, device=self._device)  # [W]
         allowed = (key.unsqueeze(0) <= columns.unsqueeze(1))[:, None, None, :]  # [n, 1, 1, W]
         self._cache.set_decode(n, columns, width)
-        logits = self._call(ids, columns.unsqueeze(1), allowed, self._cache)  # [n, V]
+        logits = self._call.decode(ids, columns.unsqueeze(1), allowed, self._cache)  # [n, V]
         self._take(list(active), logits, self._row_settings())
