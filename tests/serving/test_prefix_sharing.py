@@ -104,7 +104,7 @@ def test_a_prompt_extending_or_equal_to_an_active_one_reuses_its_columns(
         hold.set()
         with pytest.raises(Aborted):
             holder.result(timeout=WAIT)
-    assert computed == 1 + 3  # the last prompt token of `same`, the three new of `more`
+    assert computed == 3  # `same` reuses the holder's columns and logits; `more` adds 3
     assert list(same_call.completion) == hf_greedy(qwen, base, 6)
     assert list(more_call.completion) == hf_greedy(qwen, longer, 6)
 
@@ -121,9 +121,13 @@ def test_a_load_between_admissions_never_serves_an_old_prefix() -> None:
         first = _groups(server, [base], 3, [6], **GREEDY)[0]  # shared under the old weights
         wait_until(lambda: server.stats()["active"] == 1, "the holder to decode alone")
         server.load(new, 2)  # the holder's columns are recomputed before any admission
+        before = server.stats()["prompt_tokens_computed"]
         same = server.submit(base, SamplingParams(max_tokens=6, **GREEDY))
         more = server.submit(longer, SamplingParams(max_tokens=6, **GREEDY))
         same_call, more_call = same.result(timeout=WAIT), more.result(timeout=WAIT)
+        # The holder's columns are shared, but not its old prompt logits: `same` computes
+        # its last prompt token again under the new weights, `more` its two new ones.
+        assert server.stats()["prompt_tokens_computed"] - before == 1 + 2
         after = _groups(server, [base], 3, [6], **GREEDY)[0]
         hold.set()
         with pytest.raises(Aborted):

@@ -76,6 +76,9 @@ class Request:
     version: int = -1
     finish_reason: str | None = None
     future: CallFuture = field(default_factory=CallFuture)
+    # Engine thread only: the prompt's last-position logits [V] while the request is
+    # active and the weights that computed them are served (prefix sharing reuses them).
+    prompt_logits: torch.Tensor | None = None
 
     @property
     def stopped(self) -> bool:

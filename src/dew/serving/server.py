@@ -16,7 +16,7 @@ them all. Each engine iteration:
    (a GRPO group's samples) are computed once, their keys/values copied into each
    sample's slot and each first token drawn independently from the shared logits; a
    prompt that equals or extends an active request's prompt copies those columns and
-   computes only the rest;
+   computes only the rest (nothing, for an equal prompt whose logits are still kept);
 3. runs one decode step for every active request together and samples one token each;
 4. finishes requests that hit a stop token or ``max_tokens``; their slots are freed at
    once, so requests join and leave at every iteration.
@@ -43,11 +43,13 @@ Invariants:
 * Invalid input is refused with ``ValueError`` in the caller's thread, before it reaches
   the engine, so it cannot disturb anyone else's request.
 * Every column ``0 .. cached-1`` of an active request's slot holds the keys/values of
-  that request's own tokens under the weights being served: a load is followed by a
-  recompute of every active slot before anything is admitted, and a shared prefix is
-  copied only from a slot active in the same iteration (or from a leader computed in
-  the same iteration), never from a finished request. So no prefix computed under old
-  weights serves a request after a load, and a copied prefix equals a recomputed one.
+  that request's own tokens under the weights being served: a load (even one that
+  failed part way) is followed by a recompute of every active slot before anything is
+  admitted, and a shared prefix is copied only from a slot active in the same
+  iteration (or from a leader computed in the same iteration), never from a finished
+  request. The prompt logits kept for reuse are dropped at every load. So nothing
+  computed under old weights serves a request after a load, and a copied prefix
+  equals a recomputed one.
 * A copy is private: once admitted, a request owns its slot's columns; an abort or
   finish of one sample of a group leaves its siblings' keys/values untouched.
 """
@@ -66,7 +68,7 @@ import torch
 
 from dew.core import Aborted, Call, Engine, SamplingParams
 from dew.serving._kv import ModelCall, SlotCache
-from dew.serving._prefix import Row, plan_admission
+from dew.serving._prefix import Row, forward_extend, plan_admission
 from dew.serving._requests import (
     CallFuture,
     Load,
@@ -362,7 +364,10 @@ class RolloutServer(Engine):
             joiners = [self._pending.popleft() for _ in range(min(room, len(self._pending)))]
             self._iteration += 1
             iteration = self._iteration
-        loaded = sum(self._apply(job) for job in loads)
+        for job in loads:
+            for r in self._active:  # logits of the weights being replaced serve no one
+                r.prompt_logits = None
+            self._apply(job)
         dropped += [r for r in self._active if r.stopped]
         self._remove(set(dropped))  # tables first: a caller that wakes up sees them clean
         for r in dropped:
@@ -370,7 +375,7 @@ class RolloutServer(Engine):
                 r, Aborted("generation stopped", tokens=len(r.completion), iteration=iteration)
             )
         try:
-            if loaded and self._active:
+            if loads and self._active:  # even a failed load may have changed some weights
                 self._refill()
             if joiners:
                 self._prefill(joiners)
@@ -431,6 +436,8 @@ class RolloutServer(Engine):
             active[h] = active[m]
         del active[keep:]
         self._rows = None
+        for r in leaving:
+            r.prompt_logits = None
 
     def _row_settings(self) -> RowSettings:
         if self._rows is None:
@@ -497,72 +504,67 @@ class RolloutServer(Engine):
         self._cache.set_prefill(slots, [len(s) for s in seqs], width)
         return self._call(ids, positions, allowed.unsqueeze(1), self._cache)
 
-    def _forward_extend(self, group: list[Row], first: int) -> torch.Tensor:
-        """Run each row's prompt from its ``start`` on (left-padded, longest first) through
-        the model into slots ``first ..``, over the prefix columns those slots already
-        hold; returns the last position's logits [k, V]."""
-        news = [r.request.prompt[r.start :] for r in group]
-        width = len(news[0])
-        span = max(len(r.request.prompt) for r in group)
-        lens = torch.tensor([len(t) for t in news], device=self._device)  # [k]
-        starts = torch.tensor([r.start for r in group], device=self._device)  # [k]
-        ids = torch.tensor(
-            [[0] * (width - len(t)) + t for t in news], device=self._device
-        )  # [k, T] left-padded
-        col = torch.arange(width, device=self._device)  # [T]
-        # Padded queries get position 0 or a copied one: they only see finite columns.
-        positions = (starts.unsqueeze(1) + col - (width - lens).unsqueeze(1)).clamp(min=0)
-        key = torch.arange(span, device=self._device)  # [S]
-        allowed = key <= positions.unsqueeze(2)  # [k, T, S] key column <= query position
-        self._cache.set_extend(first, [r.start for r in group], lens.tolist(), width, span)
-        return self._call(ids, positions, allowed.unsqueeze(1), self._cache)
-
     def _prefill(self, joiners: list[Request]) -> None:
         """Admit ``joiners``: compute each distinct prompt once (from its resident prefix
         on, see :mod:`dew.serving._prefix`), copy it to its identical followers, and
         sample every joiner's first token."""
-        version = self._version
         plan = plan_admission(joiners, self._active) if self._share else [Row(r) for r in joiners]
-        for group in prefill_groups(plan, lambda row: row.new):
-            first = len(self._active)
-            members = [row.request for row in group]
-            source_of = list(range(len(group)))  # member -> its row of logits
-            for i, row in enumerate(group):
-                members += row.followers
-                source_of += [i] * len(row.followers)
-            span = max(len(r.prompt) for r in members)
-            self._cache.reserve(first + len(members), span)
-            copies = [(row.source, first + i, row.start) for i, row in enumerate(group)]
-            copies = [c for c in copies if c[0] is not None]
-            if copies:  # resident prefixes into the new slots, before the forward
-                slot = {id(r): i for i, r in enumerate(self._active)}
-                self._cache.move(
-                    [slot[id(c[0])] for c in copies],
-                    [c[1] for c in copies],
-                    max(c[2] for c in copies),
-                )
-            logits = self._forward_extend(group, first)  # [len(group), V]
-            if len(members) > len(group):  # identical prompts: copy the leader's columns
-                self._cache.move(
-                    [first + i for i in source_of[len(group) :]],
-                    list(range(first + len(group), first + len(members))),
-                    span,
-                )
-                logits = logits[torch.tensor(source_of, device=self._device)]  # [m, V]
-            self._served += sum(len(r.prompt) for r in members)
-            self._computed += sum(row.new for row in group)
-            for r in members:
-                r.version = version
-            self._active.extend(members)
-            self._rows = None
-            rows = settings(
-                [r.temperature for r in members],
-                [r.top_k for r in members],
-                [r.top_p for r in members],
-                self._vocab,
-                self._device,
+        copied = [row for row in plan if row.start == len(row.request.prompt)]
+        if copied:  # resident identical prompts: nothing to compute
+            self._admit(copied, None)
+        computed = [row for row in plan if row.start < len(row.request.prompt)]
+        for group in prefill_groups(computed, lambda row: row.new):
+            self._admit(group, group)
+
+    def _admit(self, rows: list[Row], forward: list[Row] | None) -> None:
+        """Put ``rows`` and their followers in the next slots, copy their resident
+        prefixes in, run ``forward`` (the rows themselves, or None when every row is a
+        whole copy) and sample each member's first token."""
+        first = len(self._active)
+        members = [row.request for row in rows]
+        source_of = list(range(len(rows)))  # member -> the row whose logits it draws from
+        for i, row in enumerate(rows):
+            members += row.followers
+            source_of += [i] * len(row.followers)
+        span = max(len(r.prompt) for r in members)
+        self._cache.reserve(first + len(members), span)
+        copies = [(row.source, first + i, row.start) for i, row in enumerate(rows)]
+        copies = [c for c in copies if c[0] is not None]
+        if copies:  # resident prefixes into the new slots, before the forward
+            slot = {id(r): i for i, r in enumerate(self._active)}
+            self._cache.move(
+                [slot[id(c[0])] for c in copies], [c[1] for c in copies], max(c[2] for c in copies)
             )
-            self._take(members, logits, rows)
+        if forward is None:
+            kept = [row.source.prompt_logits for row in rows if row.source is not None]
+            logits = torch.stack([t for t in kept if t is not None])  # [len(rows), V]
+            assert len(logits) == len(rows)
+        else:
+            logits = forward_extend(self._call, self._cache, forward, first)  # [len(rows), V]
+            self._computed += sum(row.new for row in rows)
+        if self._share:
+            for row, row_logits in zip(rows, logits, strict=True):
+                row.request.prompt_logits = row_logits
+        if len(members) > len(rows):  # identical prompts: copy the leader's columns
+            self._cache.move(
+                [first + i for i in source_of[len(rows) :]],
+                list(range(first + len(rows), first + len(members))),
+                span,
+            )
+            logits = logits[torch.tensor(source_of, device=self._device)]  # [m, V]
+        self._served += sum(len(r.prompt) for r in members)
+        for r in members:
+            r.version = self._version
+        self._active.extend(members)
+        self._rows = None
+        rows_settings = settings(
+            [r.temperature for r in members],
+            [r.top_k for r in members],
+            [r.top_p for r in members],
+            self._vocab,
+            self._device,
+        )
+        self._take(members, logits, rows_settings)
 
     def _refill(self) -> None:
         """Recompute every active request's keys/values under the weights just loaded, so
