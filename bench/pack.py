@@ -38,6 +38,7 @@ from dew.objectives.rl.pack import pack
 RESULTS = _results.RESULTS
 GROUP = 8
 VOCAB = 150_000
+TARGET = 5_000_000  # tokens/s on one core, every form (DESIGN.md, performance targets)
 
 
 def _lognormal(rng: np.random.Generator, median: float, sigma: float, lo: int, hi: int) -> int:
@@ -204,7 +205,7 @@ def main() -> None:
             "## pack\n\n"
             "`pack()` of groups of 8 rollouts with lognormal prompt/completion lengths and a "
             "share of multi-turn rollouts; non-padding tokens packed per second on one core "
-            "(target: 1,000,000). Token sequences handed over as Python lists and as numpy "
+            f"(target: {TARGET:,}). Token sequences handed over as Python lists and as numpy "
             f"arrays{support}.\n\n"
             f"- command: `{_command()}`\n"
             f"- machine: {host}\n"
@@ -215,8 +216,8 @@ def main() -> None:
         write_summary_row(
             "pack",
             " / ".join(f"{form} {rate:,.0f}" for form, rate in measured) + " tokens/s on one core",
-            "1,000,000 tokens/s",
-            "met" if slowest >= 1_000_000 else f"NOT met ({slowest:,.0f})",
+            f"{TARGET:,} tokens/s",
+            "met" if slowest >= TARGET else f"NOT met ({slowest:,.0f})",
         )
         print(f"wrote the pack section of {RESULTS}")
 

@@ -16,5 +16,17 @@ def test_engine_bench_tiny() -> None:
     row = re.search(rf"^\| tiny \| {cell} \| {cell} \| ([\d.]+)x \|$", out.stdout, re.M)
     assert row, out.stdout
     assert int(row[1].replace(",", "")) > 0 and int(row[2].replace(",", "")) > 0
+    rows = re.findall(rf"^\| tiny \| {cell} \| {cell} \| ([\d.]+)x \|$", out.stdout, re.M)
+    assert len(rows) == 2, out.stdout  # the fixed-length and the lognormal batch
+    grpo = re.search(
+        rf"^\| tiny \| {cell} \| {cell} \| {cell} \| [\d.]+x \| ([\d,]+) / ([\d,]+) \| "
+        r"([\d,]+) / ([\d,]+) \|$",
+        out.stdout,
+        re.M,
+    )
+    assert grpo, out.stdout
+    plain, served, shared, served_again = (int(grpo[i].replace(",", "")) for i in range(4, 8))
+    assert plain == served == served_again > 0
+    assert shared * 4 <= served  # --tiny: groups of 4 samples, each prompt computed once
     latencies = re.findall(r"^\| [^|]+ \| (\d+\.\d+) \|$", out.stdout, re.M)
     assert len(latencies) == 3 and all(float(s) > 0 for s in latencies), out.stdout

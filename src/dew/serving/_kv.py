@@ -17,6 +17,11 @@ Two modes, set before each forward:
 * prefill: ``k`` new requests, left-padded to a common prompt width ``T``. The model
   attends over the new tokens only; ``update`` copies each row's real tokens into
   columns ``0 .. len-1`` of its slot.
+* extend: ``k`` new requests in the contiguous slots ``first .. first+k-1``, each
+  appending its tokens (left-padded to a common width ``T``) after the ``start``
+  columns its slot already holds (a shared prefix, copied in with :meth:`move`).
+  ``update`` writes the real tokens at columns ``start .. start+len-1`` and the model
+  attends over the slots' first ``span`` columns, each query masked past its own column.
 * decode: one new token per active slot, written at the slot's own column; attention
   covers columns ``0 .. width-1``, with each row masked past its own column.
 
@@ -33,6 +38,7 @@ from typing import Any
 import torch
 
 from dew._attention import ATTENTION_MASKS as MASKS
+from dew.serving._decode import lean_decode
 
 __all__ = ["MASKS", "ModelCall", "SlotCache"]
 
@@ -54,6 +60,7 @@ class SlotCache:
         # Mode of the next forward (see module docstring).
         self._prefill: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None
         self._decode: tuple[int, torch.Tensor, torch.Tensor, int] | None = None
+        self._span: tuple[int, int, int] | None = None  # extend: first slot, k, span
         self._slot_ids = torch.arange(max_slots, device=device)  # [max_slots]
 
     # ------------------------------------------------------------------ sizing
@@ -102,7 +109,7 @@ class SlotCache:
         """Drop all buffers (after a failed step their contents are unknown)."""
         self.keys, self.values = [], []
         self.slot_capacity = self.capacity = 0
-        self._prefill = self._decode = None
+        self._prefill = self._decode = self._span = None
 
     # ------------------------------------------------------------------ modes
 
@@ -118,13 +125,28 @@ class SlotCache:
         src_cols = cols + (width - lens)[rows]
         slot_of_row = torch.tensor(slots, device=self.device)  # [k]
         self._prefill = (slot_of_row[rows], cols, rows, src_cols)
+        self._decode = self._span = None
+
+    def set_extend(
+        self, first: int, starts: list[int], lengths: list[int], width: int, span: int
+    ) -> None:
+        """Next forward appends ``lengths[i]`` tokens (left-padded to ``width``) after the
+        ``starts[i]`` columns slot ``first + i`` holds; attention covers ``span`` columns."""
+        k = len(lengths)
+        lens = torch.tensor(lengths, device=self.device)  # [k]
+        start = torch.tensor(starts, device=self.device)  # [k]
+        rows = torch.repeat_interleave(torch.arange(k, device=self.device), lens)  # [N]
+        offsets = torch.cumsum(lens, 0) - lens  # [k]
+        j = torch.arange(int(lens.sum()), device=self.device) - offsets[rows]  # [N] i-th new
+        self._prefill = (first + rows, start[rows] + j, rows, j + (width - lens)[rows])
+        self._span = (first, k, span)
         self._decode = None
 
     def set_decode(self, n: int, columns: torch.Tensor, width: int) -> None:
         """Next forward writes one token per slot ``0 .. n-1`` at ``columns`` [n] and
         attends over ``width`` columns."""
         self._decode = (n, self._slot_ids[:n], columns, width)
-        self._prefill = None
+        self._prefill = self._span = None
 
     def move(self, src: list[int], dst: list[int], width: int) -> None:
         """Copy slots ``src`` onto slots ``dst`` (first ``width`` columns)."""
@@ -148,7 +170,10 @@ class SlotCache:
             slots, cols, rows, src_cols = self._prefill
             kbuf[slots, :, cols] = keys[rows, :, src_cols]  # [N, kv_heads, dim]
             vbuf[slots, :, cols] = values[rows, :, src_cols]
-            return keys, values
+            if self._span is None:
+                return keys, values
+            first, k, span = self._span
+            return kbuf[first : first + k, :, :span], vbuf[first : first + k, :, :span]
         if self._decode is None:
             raise RuntimeError("SlotCache.update called without a mode")
         n, slot_ids, columns, width = self._decode
@@ -162,9 +187,11 @@ class SlotCache:
 
 class ModelCall:
     """Calls a causal LM with our cache and mask under whatever keyword names its
-    ``transformers`` version uses; returns float logits of the last position ``[b, V]``."""
+    ``transformers`` version uses; returns float logits of the last position ``[b, V]``.
+    Decode steps take the lean path of :mod:`dew.serving._decode` where the model has
+    one (``lean=False``: always the model's own forward)."""
 
-    def __init__(self, model: torch.nn.Module) -> None:
+    def __init__(self, model: torch.nn.Module, *, lean: bool = True) -> None:
         attn = getattr(model.config, "_attn_implementation", None) or "eager"
         if attn not in MASKS:
             raise ValueError(
@@ -185,6 +212,15 @@ class ModelCall:
         self.mask = MASKS[attn]
         self.model = model
         self.dtype = next(model.parameters()).dtype
+        self.lean = lean_decode(model) if lean else None
+
+    def decode(
+        self, ids: torch.Tensor, positions: torch.Tensor, allowed: torch.Tensor, cache: SlotCache
+    ) -> torch.Tensor:
+        """One decode step (``ids`` [n, 1]): the lean path when the model has one."""
+        if self.lean is None:
+            return self(ids, positions, allowed, cache)
+        return self.lean(ids, positions, self.mask(allowed, self.dtype), cache)
 
     def __call__(
         self, ids: torch.Tensor, positions: torch.Tensor, allowed: torch.Tensor, cache: SlotCache

@@ -12,6 +12,7 @@ import threading
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 import torch
 
@@ -31,6 +32,8 @@ __all__ = [
 # Prefill groups are bounded so the [k, 1, T, T] mask and the activations stay small.
 _PREFILL_TOKENS = 16384
 _PREFILL_MASK = 1 << 26
+
+R = TypeVar("R")
 
 
 class CallFuture(Future[Call]):
@@ -73,6 +76,9 @@ class Request:
     version: int = -1
     finish_reason: str | None = None
     future: CallFuture = field(default_factory=CallFuture)
+    # Engine thread only: the prompt's last-position logits [V] while the request is
+    # active and the weights that computed them are served (prefix sharing reuses them).
+    prompt_logits: torch.Tensor | None = None
 
     @property
     def stopped(self) -> bool:
@@ -188,13 +194,11 @@ def check_weights(
     return out
 
 
-def prefill_groups(
-    requests: Sequence[Request], length: Callable[[Request], int]
-) -> list[list[Request]]:
-    """Split requests into prefill groups, longest first, so padding stays under half
-    of each group's tokens and the group's mask stays bounded."""
-    out: list[list[Request]] = []
-    group: list[Request] = []
+def prefill_groups(requests: Sequence[R], length: Callable[[R], int]) -> list[list[R]]:
+    """Split requests (or prefill rows) into prefill groups, longest first, so padding
+    stays under half of each group's tokens and the group's mask stays bounded."""
+    out: list[list[R]] = []
+    group: list[R] = []
     width = real = 0
     for r in sorted(requests, key=length, reverse=True):
         n = length(r)

@@ -11,7 +11,12 @@ them all. Each engine iteration:
    most), so they are prefilled as one batch;
 2. after a load, recomputes the running requests' keys/values under the new weights, so
    every token sampled after a push comes from the new weights alone; then prefills the
-   admitted requests (left-padded, grouped by length) and samples their first token;
+   admitted requests (left-padded, grouped by length) and samples their first token.
+   Prefill is shared (:mod:`dew.serving._prefix`): identical prompts admitted together
+   (a GRPO group's samples) are computed once, their keys/values copied into each
+   sample's slot and each first token drawn independently from the shared logits; a
+   prompt that equals or extends an active request's prompt copies those columns and
+   computes only the rest (nothing, for an equal prompt whose logits are still kept);
 3. runs one decode step for every active request together and samples one token each;
 4. finishes requests that hit a stop token or ``max_tokens``; their slots are freed at
    once, so requests join and leave at every iteration.
@@ -37,6 +42,16 @@ Invariants:
   recorded version is the minimum over the versions that served any of its tokens.
 * Invalid input is refused with ``ValueError`` in the caller's thread, before it reaches
   the engine, so it cannot disturb anyone else's request.
+* Every column ``0 .. cached-1`` of an active request's slot holds the keys/values of
+  that request's own tokens under the weights being served: a load (even one that
+  failed part way) is followed by a recompute of every active slot before anything is
+  admitted, and a shared prefix is copied only from a slot active in the same
+  iteration (or from a leader computed in the same iteration), never from a finished
+  request. The prompt logits kept for reuse are dropped at every load. So nothing
+  computed under old weights serves a request after a load, and a copied prefix
+  equals a recomputed one.
+* A copy is private: once admitted, a request owns its slot's columns; an abort or
+  finish of one sample of a group leaves its siblings' keys/values untouched.
 """
 
 from __future__ import annotations
@@ -53,6 +68,7 @@ import torch
 
 from dew.core import Aborted, Call, Engine, SamplingParams
 from dew.serving._kv import ModelCall, SlotCache
+from dew.serving._prefix import Row, forward_extend, plan_admission
 from dew.serving._requests import (
     CallFuture,
     Load,
@@ -79,6 +95,8 @@ class RolloutServer(Engine):
     served until the first :meth:`load`. ``max_batch`` bounds the active requests,
     ``max_len`` the prompt plus completion length (default: the model's
     ``max_position_embeddings``). ``seed`` seeds the engine's sampler.
+    ``share_prefixes=False`` turns prefix sharing off (every prompt is computed in
+    full; for comparisons).
 
     Greedy requests (``temperature=0``) report log-prob 0.0 per token (the point mass on
     the argmax), ``temperature=1.0`` in their :class:`Call`, and a one-id support per
@@ -103,6 +121,7 @@ class RolloutServer(Engine):
         max_batch: int = 64,
         max_len: int | None = None,
         seed: int = 0,
+        share_prefixes: bool = True,
     ) -> None:
         version = as_int(version, "version")
         if version < 0:
@@ -145,6 +164,9 @@ class RolloutServer(Engine):
         self._iteration = 0  # written by the engine under _cond
         self._active: list[Request] = []  # engine thread only; index = slot
         self._rows: RowSettings | None = None  # engine thread only; cache of _active's settings
+        self._share = bool(share_prefixes)
+        self._served = 0  # written by the engine thread only: prompt tokens admitted
+        self._computed = 0  # ... and those of them run through the model
         self._thread = threading.Thread(target=self._run, name="RolloutServer-engine", daemon=True)
         self._thread.start()
 
@@ -177,13 +199,21 @@ class RolloutServer(Engine):
         return up and self._thread.is_alive()
 
     def stats(self) -> dict[str, int]:
-        """Sizes of the internal tables (for tests and monitoring)."""
+        """Sizes of the internal tables, and counters (for tests and monitoring).
+
+        ``prompt_tokens``: prompt tokens of every request admitted so far (served);
+        ``prompt_tokens_computed``: those the model actually ran at admission. The rest
+        were copied from a shared prefix, so for single-turn groups of G identical
+        prompts admitted together, computed is served / G.
+        """
         with self._cond:
             return {
                 "pending": len(self._pending),
                 "active": len(self._active),
                 "loads": len(self._loads),
                 "iterations": self._iteration,
+                "prompt_tokens": self._served,
+                "prompt_tokens_computed": self._computed,
             }
 
     def load(self, variables: torch.nn.Module | Mapping[str, torch.Tensor], version: int) -> None:
@@ -334,7 +364,10 @@ class RolloutServer(Engine):
             joiners = [self._pending.popleft() for _ in range(min(room, len(self._pending)))]
             self._iteration += 1
             iteration = self._iteration
-        loaded = sum(self._apply(job) for job in loads)
+        for job in loads:
+            for r in self._active:  # logits of the weights being replaced serve no one
+                r.prompt_logits = None
+            self._apply(job)
         dropped += [r for r in self._active if r.stopped]
         self._remove(set(dropped))  # tables first: a caller that wakes up sees them clean
         for r in dropped:
@@ -342,7 +375,7 @@ class RolloutServer(Engine):
                 r, Aborted("generation stopped", tokens=len(r.completion), iteration=iteration)
             )
         try:
-            if loaded and self._active:
+            if loads and self._active:  # even a failed load may have changed some weights
                 self._refill()
             if joiners:
                 self._prefill(joiners)
@@ -403,6 +436,8 @@ class RolloutServer(Engine):
             active[h] = active[m]
         del active[keep:]
         self._rows = None
+        for r in leaving:
+            r.prompt_logits = None
 
     def _row_settings(self) -> RowSettings:
         if self._rows is None:
@@ -470,24 +505,66 @@ class RolloutServer(Engine):
         return self._call(ids, positions, allowed.unsqueeze(1), self._cache)
 
     def _prefill(self, joiners: list[Request]) -> None:
-        version = self._version
-        for group in prefill_groups(joiners, lambda r: len(r.prompt)):
-            first = len(self._active)
-            logits = self._forward_prefill(
-                [r.prompt for r in group], list(range(first, first + len(group)))
+        """Admit ``joiners``: compute each distinct prompt once (from its resident prefix
+        on, see :mod:`dew.serving._prefix`), copy it to its identical followers, and
+        sample every joiner's first token."""
+        plan = plan_admission(joiners, self._active) if self._share else [Row(r) for r in joiners]
+        copied = [row for row in plan if row.start == len(row.request.prompt)]
+        if copied:  # resident identical prompts: nothing to compute
+            self._admit(copied, None)
+        computed = [row for row in plan if row.start < len(row.request.prompt)]
+        for group in prefill_groups(computed, lambda row: row.new):
+            self._admit(group, group)
+
+    def _admit(self, rows: list[Row], forward: list[Row] | None) -> None:
+        """Put ``rows`` and their followers in the next slots, copy their resident
+        prefixes in, run ``forward`` (the rows themselves, or None when every row is a
+        whole copy) and sample each member's first token."""
+        first = len(self._active)
+        members = [row.request for row in rows]
+        source_of = list(range(len(rows)))  # member -> the row whose logits it draws from
+        for i, row in enumerate(rows):
+            members += row.followers
+            source_of += [i] * len(row.followers)
+        span = max(len(r.prompt) for r in members)
+        self._cache.reserve(first + len(members), span)
+        copies = [(row.source, first + i, row.start) for i, row in enumerate(rows)]
+        copies = [c for c in copies if c[0] is not None]
+        if copies:  # resident prefixes into the new slots, before the forward
+            slot = {id(r): i for i, r in enumerate(self._active)}
+            self._cache.move(
+                [slot[id(c[0])] for c in copies], [c[1] for c in copies], max(c[2] for c in copies)
             )
-            for r in group:
-                r.version = version
-            self._active.extend(group)
-            self._rows = None
-            rows = settings(
-                [r.temperature for r in group],
-                [r.top_k for r in group],
-                [r.top_p for r in group],
-                self._vocab,
-                self._device,
+        if forward is None:
+            kept = [row.source.prompt_logits for row in rows if row.source is not None]
+            logits = torch.stack([t for t in kept if t is not None])  # [len(rows), V]
+            assert len(logits) == len(rows)
+        else:
+            logits = forward_extend(self._call, self._cache, forward, first)  # [len(rows), V]
+            self._computed += sum(row.new for row in rows)
+        if self._share:
+            for row, row_logits in zip(rows, logits, strict=True):
+                row.request.prompt_logits = row_logits
+        if len(members) > len(rows):  # identical prompts: copy the leader's columns
+            self._cache.move(
+                [first + i for i in source_of[len(rows) :]],
+                list(range(first + len(rows), first + len(members))),
+                span,
             )
-            self._take(group, logits, rows)
+            logits = logits[torch.tensor(source_of, device=self._device)]  # [m, V]
+        self._served += sum(len(r.prompt) for r in members)
+        for r in members:
+            r.version = self._version
+        self._active.extend(members)
+        self._rows = None
+        rows_settings = settings(
+            [r.temperature for r in members],
+            [r.top_k for r in members],
+            [r.top_p for r in members],
+            self._vocab,
+            self._device,
+        )
+        self._take(members, logits, rows_settings)
 
     def _refill(self) -> None:
         """Recompute every active request's keys/values under the weights just loaded, so
@@ -509,5 +586,5 @@ class RolloutServer(Engine):
         key = torch.arange(width, device=self._device)  # [W]
         allowed = (key.unsqueeze(0) <= columns.unsqueeze(1))[:, None, None, :]  # [n, 1, 1, W]
         self._cache.set_decode(n, columns, width)
-        logits = self._call(ids, columns.unsqueeze(1), allowed, self._cache)  # [n, V]
+        logits = self._call.decode(ids, columns.unsqueeze(1), allowed, self._cache)  # [n, V]
         self._take(list(active), logits, self._row_settings())

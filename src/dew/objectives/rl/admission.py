@@ -80,12 +80,27 @@ class _G(Enum):
     DROPPED = 3
 
 
+# The members as module constants: on Python 3.11 reading ``_S.RUNNING`` goes through a
+# descriptor (about ten times a global's cost), and the hot paths read them per sample.
+_IDLE, _RUNNING, _ADMITTED = _S.IDLE, _S.RUNNING, _S.ADMITTED
+_EXHAUSTED, _SURPLUS = _S.EXHAUSTED, _S.SURPLUS
+_G_RUNNING, _G_COMPLETE, _G_ABANDONED, _G_DROPPED = (
+    _G.RUNNING,
+    _G.COMPLETE,
+    _G.ABANDONED,
+    _G.DROPPED,
+)
+_COMPLETED, _AGENT_ERROR, _TRUNCATED = Status.COMPLETED, Status.AGENT_ERROR, Status.TRUNCATED
+_INFRA_ERROR, _CANCELLED = Status.INFRA_ERROR, Status.CANCELLED
+
+
 @dataclass(eq=False, slots=True)
 class _Sample:
     index: int
+    group: _Group
     attempt: int = -1  # no attempt yet
     failures: int = 0
-    state: _S = _S.IDLE
+    state: _S = _IDLE
     cause: str | None = None  # why the next start is a resubmission
     version: int = 0  # served version at the current attempt's submission
     rollout: Rollout | None = None
@@ -99,7 +114,7 @@ class _Group:
     batch: _Batch
     samples: list[_Sample]
     admitted: list[int] = field(default_factory=list)  # sample indices, finish order
-    state: _G = _G.RUNNING
+    state: _G = _G_RUNNING
     order: int = -1  # completion order, for packing in admission order
 
 
@@ -119,13 +134,13 @@ class _Batch:
 def _set_state(g: _Group, state: _G) -> None:
     """The one place a group changes state after it is built (keeps its batch's counts)."""
     b = g.batch
-    if g.state is _G.RUNNING:
+    if g.state is _G_RUNNING:
         b.running -= 1
-    elif g.state is _G.COMPLETE:
+    elif g.state is _G_COMPLETE:
         b.complete -= 1
-    if state is _G.RUNNING:
+    if state is _G_RUNNING:
         b.running += 1
-    elif state is _G.COMPLETE:
+    elif state is _G_COMPLETE:
         b.complete += 1
     g.state = state
 
@@ -164,7 +179,10 @@ class Admission:
         self._seq = itertools.count()
         self._gid = itertools.count()
         self._order = itertools.count()
-        self._running: dict[RolloutKey, tuple[_Group, _Sample]] = {}
+        # Running attempts by key. A sample reaches its group through ``group``: a
+        # (group, sample) pair per start would be one more object per rollout in flight
+        # for the cyclic collector to walk.
+        self._running: dict[RolloutKey, _Sample] = {}
         self._deadlines: list[tuple[float, RolloutKey]] = []
         self.closed = False
         self._errors: deque[str] = deque(maxlen=_ERRORS_KEPT)
@@ -208,7 +226,8 @@ class Admission:
         actions: list[Action] = []
         n = self.config.groups + self.config.oversample
         for task in b.tasks:
-            g = _Group(next(self._gid), task, b, [_Sample(i) for i in range(n)])
+            g = _Group(next(self._gid), task, b, [])
+            g.samples = [_Sample(i, g) for i in range(n)]
             b.groups.append(g)
             b.running += 1
             self._top_up(g, now, actions)
@@ -244,12 +263,12 @@ class Admission:
             self.resubmitted[s.cause] += 1
         s.attempt += 1
         s.cause = None
-        s.state = _S.RUNNING
+        s.state = _RUNNING
         s.version = self.served if self.served is not None else 0
         # tuple.__new__ skips the named tuple's generated __new__: one fewer Python call
         # per start, which the planner makes tens of thousands of times per plan.
         key = s.key = _tuple_new(RolloutKey, (g.gid, s.index, s.attempt))
-        self._running[key] = (g, s)
+        self._running[key] = s
         timeout = self.config.timeout
         if timeout is not None:
             heapq.heappush(self._deadlines, (now + timeout, key))
@@ -264,20 +283,20 @@ class Admission:
         actions.append(_tuple_new(Cancel, (key,)))
 
     def _top_up(self, g: _Group, now: float, actions: list[Action]) -> None:
-        if g.state is not _G.RUNNING:
+        if g.state is not _G_RUNNING:
             return
         needed = self.config.groups - len(g.admitted)
-        running = sum(s.state is _S.RUNNING for s in g.samples)
+        running = [s.state for s in g.samples].count(_RUNNING)
         want = needed + self.config.oversample
         for s in g.samples:
             if running >= want:
                 break
-            if s.state in (_S.IDLE, _S.SURPLUS):
+            if s.state in (_IDLE, _SURPLUS):
                 self._start(g, s, now, actions)
                 running += 1
 
     def _alive(self, g: _Group) -> int:
-        return sum(s.state is not _S.EXHAUSTED for s in g.samples)
+        return sum(s.state is not _EXHAUSTED for s in g.samples)
 
     def _fail(self, g: _Group, s: _Sample, cause: str, now: float, actions: list[Action]) -> None:
         """A failed attempt: counts toward max_attempts; resubmit or give up."""
@@ -288,13 +307,13 @@ class Admission:
         s.failures += 1
         s.rollout = None
         if s.failures >= self.config.max_attempts:
-            s.state = _S.EXHAUSTED
+            s.state = _EXHAUSTED
         else:
-            s.state, s.cause = _S.IDLE, cause
+            s.state, s.cause = _IDLE, cause
 
     def _settle(self, g: _Group, now: float, actions: list[Action]) -> None:
         """After failures: abandon a group that can no longer complete, else refill it."""
-        if g.state is not _G.RUNNING:
+        if g.state is not _G_RUNNING:
             return
         if self._alive(g) < self.config.groups:
             self._abandon(g, actions)
@@ -302,45 +321,45 @@ class Admission:
             self._top_up(g, now, actions)
 
     def _abandon(self, g: _Group, actions: list[Action]) -> None:
-        _set_state(g, _G.ABANDONED)
+        _set_state(g, _G_ABANDONED)
         self.abandoned += 1
         self._release(g, "abandoned", actions)
 
     def _release(self, g: _Group, how: str, actions: list[Action]) -> None:
         """Cancel a group's running samples and discard what it had admitted."""
         for s in g.samples:
-            if s.state is _S.RUNNING:
+            if s.state is _RUNNING:
                 self._stop(s, how, actions)
                 self.cancelled += 1
-                s.state = _S.SURPLUS
-            elif s.state is _S.ADMITTED and s.rollout is not None:
+                s.state = _SURPLUS
+            elif s.state is _ADMITTED and s.rollout is not None:
                 self._end(s.rollout.key, "discarded")
                 s.rollout = None
-                s.state = _S.SURPLUS
+                s.state = _SURPLUS
 
     def _complete(self, g: _Group, actions: list[Action]) -> None:
-        _set_state(g, _G.COMPLETE)
+        _set_state(g, _G_COMPLETE)
         g.order = next(self._order)
         for s in g.samples:
-            if s.state is _S.RUNNING:
+            if s.state is _RUNNING:
                 self._stop(s, "surplus", actions)
                 self.cancelled += 1
-                s.state = _S.SURPLUS
+                s.state = _SURPLUS
         b = g.batch
         admit = self.config.admit
         if admit is not None:
             if b.complete >= admit:
                 for x in b.groups:
-                    if x.state is _G.RUNNING:
-                        _set_state(x, _G.DROPPED)
+                    if x.state is _G_RUNNING:
+                        _set_state(x, _G_DROPPED)
                         self._release(x, "dropped", actions)
 
     # ------------------------------------------------------------------ events
 
     def finished(self, key: RolloutKey, rollout: Rollout, now: float) -> list[Action]:
         """A session resolved. Stale attempts and post-cancel results are ignored."""
-        entry = self._running.get(key)
-        if entry is None:
+        s = self._running.get(key)
+        if s is None:
             return []
         if rollout.key != key:
             raise ValueError(f"{key}: the source returned a rollout labelled {rollout.key}")
@@ -354,25 +373,25 @@ class Admission:
                     f"(the engines serve version {newest} at most)"
                 )
         status = rollout.status
-        if status in (Status.COMPLETED, Status.AGENT_ERROR) and rollout.reward is None:
+        if status in (_COMPLETED, _AGENT_ERROR) and rollout.reward is None:
             raise ValueError(f"{key}: status {status.name} needs a reward from the verifier")
         del self._running[key]
-        g, s = entry
+        g = s.group
         actions: list[Action] = []
         cause: str | None = None
-        if status is Status.TRUNCATED:
+        if status is _TRUNCATED:
             verdict: Truncation = self._truncate(rollout)
             cause = verdict.resubmit
-        elif status is Status.INFRA_ERROR:
+        elif status is _INFRA_ERROR:
             cause = "infra_error"
-        elif status is Status.CANCELLED:
+        elif status is _CANCELLED:
             cause = "cancelled"
         if cause is not None:
             self._errors.append(f"{key}: {cause}" + (f": {rollout.error}" if rollout.error else ""))
             self._end(key, f"failed:{cause}")
             self._fail(g, s, cause, now, actions)
             return actions
-        s.state = _S.ADMITTED
+        s.state = _ADMITTED
         s.rollout = rollout
         g.admitted.append(s.index)
         if len(g.admitted) >= self.config.groups:
@@ -394,10 +413,10 @@ class Admission:
         touched: dict[int, _Group] = {}
         while self._deadlines and self._deadlines[0][0] <= now:
             _, key = heapq.heappop(self._deadlines)
-            entry = self._running.get(key)
-            if entry is None:
+            s = self._running.get(key)
+            if s is None:
                 continue
-            g, s = entry
+            g = s.group
             self._errors.append(f"{key}: timeout: still running {self.config.timeout:g} s in")
             self._stop(s, "failed:timeout", actions)
             self._count_failure(s, "timeout")
@@ -411,28 +430,28 @@ class Admission:
         fresh = updates - self.config.max_lag  # the oldest version still within max_lag
         for b in batches:
             for g in b.groups:
-                if g.state is not _G.RUNNING and g.state is not _G.COMPLETE:
+                if g.state is not _G_RUNNING and g.state is not _G_COMPLETE:
                     continue
                 touched = False
                 for s in g.samples:  # every live sample, at every call: kept lean
                     state = s.state
-                    if state is _S.RUNNING:
+                    if state is _RUNNING:
                         if s.version < fresh:
                             self._stop(s, "cancelled:stale", actions)
                             self.cancelled += 1
-                            s.state, s.cause = _S.IDLE, "stale"
+                            s.state, s.cause = _IDLE, "stale"
                             touched = True
-                    elif state is _S.ADMITTED and s.rollout is not None:
+                    elif state is _ADMITTED and s.rollout is not None:
                         oldest = s.rollout.oldest_version
                         if oldest is not None and oldest < fresh:
                             self._end(s.rollout.key, "resubmitted:stale")
                             self.dropped_rollouts.append(("stale", s.rollout))
                             g.admitted.remove(s.index)
-                            s.state, s.cause, s.rollout = _S.IDLE, "stale", None
+                            s.state, s.cause, s.rollout = _IDLE, "stale", None
                             touched = True
                 if touched:
-                    if g.state is _G.COMPLETE and len(g.admitted) < self.config.groups:
-                        _set_state(g, _G.RUNNING)
+                    if g.state is _G_COMPLETE and len(g.admitted) < self.config.groups:
+                        _set_state(g, _G_RUNNING)
                     self._top_up(g, now, actions)
         return actions
 
@@ -461,13 +480,13 @@ class Admission:
         if actions or not self.ready():
             return None, actions
         self._batches.pop(0)
-        complete = sorted((g for g in b.groups if g.state is _G.COMPLETE), key=lambda g: g.order)
+        complete = sorted((g for g in b.groups if g.state is _G_COMPLETE), key=lambda g: g.order)
         out = Consumed(groups=[], abandoned=[], dropped=[], errors=list(self._errors))
         self._errors.clear()
         for g in b.groups:
-            if g.state is _G.ABANDONED:
+            if g.state is _G_ABANDONED:
                 out.abandoned.append(g.task)
-            elif g.state is _G.DROPPED:
+            elif g.state is _G_DROPPED:
                 out.dropped.append(g.task)
         for g in complete:
             members = [g.samples[i].rollout for i in g.admitted[: self.config.groups]]
@@ -502,7 +521,7 @@ class Admission:
         for b in self._batches:
             for g in b.groups:
                 self._release(g, how, actions)
-                _set_state(g, _G.DROPPED)
+                _set_state(g, _G_DROPPED)
         self._deadlines.clear()
         return actions
 

@@ -36,11 +36,13 @@ _STD_EPS = 1e-6
 
 
 def _group(rewards: np.ndarray, trained: np.ndarray) -> np.ndarray:
-    # rewards, trained: [n] -> [n]
-    k = int(trained.sum())
+    # rewards, trained: [n] -> [n]. Run once per group of every batch, so the mean is
+    # taken as ndarray.mean takes it (a pairwise sum over the count) without its Python
+    # wrapper, and the count with count_nonzero.
+    k = np.count_nonzero(trained)
     if k == 0:
         return np.zeros(len(rewards))
-    mean = rewards[trained].mean()
+    mean = np.add.reduce(rewards[trained]) / k
     return np.where(trained, rewards - mean, 0.0)
 
 
@@ -91,7 +93,7 @@ def advantages(estimator: str | Estimator, rewards: np.ndarray, trained: np.ndar
             f"estimator {estimator_name(estimator)!r} returned shape {out.shape} for a group "
             f"of {len(rewards)}; expected {rewards.shape}"
         )
-    if not np.isfinite(out).all():
+    if not np.logical_and.reduce(np.isfinite(out), axis=None):  # .all(), without its wrapper
         raise ValueError(
             f"estimator {estimator_name(estimator)!r} returned a non-finite advantage: {out}"
         )

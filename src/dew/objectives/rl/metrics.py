@@ -44,12 +44,13 @@ def session_metrics(
     if n == 0:
         return out
     out["merge_ratio"] = merge_ratio(rollouts)
+    statuses = [r.status for r in rollouts]
     for status in Status:
-        out[f"status/{status.value}"] = sum(r.status is status for r in rollouts) / n
+        out[f"status/{status.value}"] = statuses.count(status) / n
     rewards = [r.reward for r in rollouts if r.reward is not None]
     if rewards:
         out["reward/mean"] = float(np.mean(rewards))
-    names = sorted({k for r in rollouts for k in r.components})
+    names = sorted({k for r in rollouts if r.components for k in r.components})
     for name in names:
         vals = [r.components[name] for r in rollouts if name in r.components]
         out[f"reward/{name}"] = float(np.mean(vals))
@@ -64,15 +65,54 @@ def session_metrics(
         missing = sorted(_BATCH_KEYS - set(batch))
         if missing:
             raise ValueError(f"batch lacks {missing}; session_metrics reads a batch made by pack")
-        mask = np.asarray(batch["loss_mask"]) > 0
-        real = np.asarray(batch["segments"]) > 0
-        versions = np.asarray(batch["versions"])
-        out["trained_tokens"] = float(mask.sum())
-        # Share of completion tokens that carry no loss (masked truncations).
-        completion = real & (versions >= 0) & (np.asarray(batch["completion_mask"]) > 0)
-        out["masked_share"] = float((completion & ~mask).sum() / max(completion.sum(), 1))
-        if updates is not None and mask.any():
-            lag = updates - versions[mask]
-            out["token_lag_mean"] = float(lag.mean())
-            out["token_lag_max"] = float(lag.max())
+        out.update(_batch_metrics(batch, updates))
     return out
+
+
+def _batch_metrics(batch: Mapping[str, np.ndarray], updates: int | None) -> dict[str, float]:
+    loss = np.asarray(batch["loss_mask"])
+    segments = np.asarray(batch["segments"])
+    versions = np.asarray(batch["versions"])
+    completion = np.asarray(batch["completion_mask"])
+    # Millions of slots a call, read by several passes each: taken a slice of slots at a
+    # time so that every pass after the first finds its slice in cache. (Arrays of other
+    # shapes, which pack never makes, are taken whole: numpy broadcasts them as before.)
+    shape = loss.shape
+    if segments.shape == versions.shape == completion.shape == shape:
+        loss, segments, versions, completion = (
+            x.reshape(-1) for x in (loss, segments, versions, completion)
+        )
+        step = _SLICE
+    else:
+        step = loss.size or 1
+    trained = tokens = masked = lag_sum = 0
+    oldest = _INT_MAX  # the smallest version among trained tokens
+    for at in range(0, loss.size, step) if loss.size else ():
+        end = at + step
+        mask = loss[at:end] > 0
+        v = versions[at:end]
+        c = completion[at:end]
+        c = c.copy() if c.dtype == bool else c > 0
+        c &= segments[at:end] > 0
+        c &= v >= 0  # completion tokens: real, with a version
+        k = np.count_nonzero(mask)
+        trained += k
+        tokens += np.count_nonzero(c)
+        masked += np.count_nonzero(c & ~mask)
+        if updates is not None and k:
+            # Summed and taken where the mask is, not over a gathered copy; the mean is
+            # the exact integer sum over the count.
+            lag_sum += int(np.add.reduce(v, axis=None, where=mask, dtype=np.int64))
+            low = int(np.minimum.reduce(v, axis=None, where=mask, initial=_INT_MAX))
+            oldest = min(oldest, low)
+    out: dict[str, float] = {"trained_tokens": float(trained)}
+    # Share of completion tokens that carry no loss (masked truncations).
+    out["masked_share"] = float(masked / max(tokens, 1))
+    if updates is not None and trained:
+        out["token_lag_mean"] = float((updates * trained - lag_sum) / trained)
+        out["token_lag_max"] = float(updates - oldest)
+    return out
+
+
+_SLICE = 1 << 17  # slots per slice: a few MB over the four arrays
+_INT_MAX = np.iinfo(np.int64).max

@@ -23,15 +23,19 @@ Decisions the design leaves open, made here:
   so masked rollouts cost no support capacity. Every call of a rollout carries support or
   none does; a rollout mixing both is refused rather than misaligned.
 
-All per-token work is numpy: Python runs once per group, rollout and chain, and the
-final arrays are written with one scatter per field.
+All per-token work is numpy: Python runs once per group, rollout, chain and run, and
+every field of the batch is written in one pass. First fit fills each row from slot 0
+without gaps, so a row is its chains end to end followed by its padding: in row-major
+order the batch is one sequence of pieces (runs and padding), and each field is one
+concatenation or one ``np.repeat`` of per-piece values, with no masks or index arrays.
 """
 
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -56,7 +60,8 @@ from dew.objectives.rl.truncation import (
 __all__ = ["ESTIMATORS", "PackStats", "advantage_estimator", "pack"]
 
 _NO_IDS = np.zeros(0, dtype=np.int64)
-
+# Read per rollout: on Python 3.11 ``Status.COMPLETED`` costs a descriptor call each time.
+_COMPLETED, _AGENT_ERROR, _TRUNCATED = Status.COMPLETED, Status.AGENT_ERROR, Status.TRUNCATED
 
 # --------------------------------------------------------------------------- stats
 
@@ -92,8 +97,13 @@ def _admit(
     rollout: Rollout, policy: Callable[[Rollout], Truncation], name: str, cap: int | None
 ) -> tuple[bool, float, bool]:
     """(trained, reward, has_support) of one rollout under the truncation policy ``name``."""
-    flags = [c.support is not None for c in rollout.calls]
-    has_support = any(flags)
+    calls = rollout.calls
+    if len(calls) == 1:  # the single-turn case: no mix of support and none is possible
+        has_support = calls[0].support is not None
+        flags = [has_support]
+    else:
+        flags = [c.support is not None for c in calls]
+        has_support = any(flags)
     if has_support and cap is None:
         raise ValueError(
             f"{rollout.key}: its calls carry support but support_capacity is None; "
@@ -105,13 +115,13 @@ def _admit(
             "do; every call of a rollout must carry support or none may"
         )
     status = rollout.status
-    if status is Status.COMPLETED or status is Status.AGENT_ERROR:
+    if status is _COMPLETED or status is _AGENT_ERROR:
         if rollout.reward is None:
             raise ValueError(
                 f"{rollout.key}: status {status.name} needs a reward to be packed, got None"
             )
         return True, float(rollout.reward), has_support
-    if status is Status.TRUNCATED:
+    if status is _TRUNCATED:
         verdict = policy(rollout)
         if verdict.resubmit is not None:
             raise ValueError(
@@ -150,97 +160,194 @@ def _rollout_support(rollout: Rollout) -> tuple[np.ndarray, np.ndarray]:
     return np.concatenate(counts), np.concatenate(ids)
 
 
-# --------------------------------------------------------------------------- pack
+# --------------------------------------------------------------------------- chains
 
 
-@dataclass
+class _Chain(NamedTuple):
+    """One chain of a rollout, ready to place: its runs (as ``Run`` fields), its size,
+    and with support, its per-token support counts and its ids."""
+
+    runs: Sequence[Run]
+    n: int  # tokens
+    counts: np.ndarray | None  # [n] support ids per token (None: no support)
+    ids: np.ndarray  # [k] the support ids, in token order
+
+
+_tuple_new = tuple.__new__  # builds a named tuple without its Python-level __new__
+
+
+def _chains(rollout: Rollout, with_support: bool) -> list[_Chain]:
+    calls = rollout.calls
+    if len(calls) == 1 and not with_support:
+        # The single-turn case, once per rollout: the one chain of chain_runs (a prompt
+        # run, then a completion run) built as plain tuples, without its merge loop.
+        call = calls[0]
+        prompt = np.asarray(call.prompt, dtype=np.int64)
+        if prompt.ndim != 1:
+            prompt = prompt.reshape(-1)
+        completion = np.asarray(call.completion, dtype=np.int64)
+        if completion.ndim != 1:
+            completion = completion.reshape(-1)
+        lp = np.asarray(call.log_probs, dtype=np.float64)
+        if lp.ndim != 1:
+            lp = lp.reshape(-1)
+        v = call.version
+        runs = ((prompt, False, None, v, None), (completion, True, lp, v, call.support))
+        return [_tuple_new(_Chain, (runs, len(prompt) + len(completion), None, _NO_IDS))]
+    out = []
+    if with_support:
+        # Chains hold the completions in call order, so each chain's support is the next
+        # run of the rollout's per-token counts and ids.
+        all_counts, all_ids = _rollout_support(rollout)
+        id_ends = np.cumsum(all_counts)  # [m]
+        tok_at = id_at = 0
+    for runs in chain_runs(calls):
+        n = sum(len(run.tokens) for run in runs)
+        if with_support:
+            flags = trained_mask(runs)  # [n]
+            k = int(np.count_nonzero(flags))
+            counts = np.zeros(n, dtype=np.int64)  # [n]
+            counts[flags] = all_counts[tok_at : tok_at + k]
+            id_end = int(id_ends[tok_at + k - 1])
+            out.append(_Chain(runs, n, counts, all_ids[id_at:id_end]))
+            tok_at, id_at = tok_at + k, id_end
+        else:
+            out.append(_Chain(runs, n, None, _NO_IDS))
+    return out
+
+
+# --------------------------------------------------------------------------- placement
+
+
 class _Placed:
-    """Placed chains, one entry per chain in placement order (within a row: slot order)."""
+    """The placed chains and their runs, field by field, in placement order.
 
-    runs: list[list[Run]] = field(default_factory=list)  # each chain as its runs
-    lengths: list[int] = field(default_factory=list)  # tokens per chain
-    flat: list[int] = field(default_factory=list)  # row * width + first slot
-    segment: list[int] = field(default_factory=list)
-    rollout: list[int] = field(default_factory=list)
-    trained: list[bool] = field(default_factory=list)
-    advantage: list[float] = field(default_factory=list)
-    support_counts: list[np.ndarray] = field(default_factory=list)  # [len(chain)] each
-    support_ids: list[np.ndarray] = field(default_factory=list)
-    support_flat: list[int] = field(default_factory=list)  # row * capacity + first slot
+    Plain lists of numbers and arrays rather than a record per chain: a batch has tens
+    of thousands of chains, and records that live until the batch is assembled would
+    each be one more object for the cyclic collector to walk, pass after pass.
+    """
 
-    def extend(self, other: _Placed) -> None:
-        for name in self.__dataclass_fields__:
-            getattr(self, name).extend(getattr(other, name))
+    def __init__(self) -> None:
+        # Per chain.
+        self.flat: list[int] = []  # row * width + first slot
+        self.length: list[int] = []  # tokens
+        self.segment: list[int] = []
+        self.rollout: list[int] = []  # index into the flattened groups
+        self.trained: list[bool] = []
+        self.advantage: list[float] = []
+        self.runs: list[int] = []  # how many runs
+        self.support_counts: list[np.ndarray | None] = []  # [length] each (None: zeros)
+        self.support_ids: list[np.ndarray] = []
+        self.support_flat: list[int] = []  # row * capacity + first support slot
+        # Per run, chain after chain.
+        self.tokens: list[np.ndarray] = []
+        self.log_probs: list[np.ndarray | None] = []  # None: not a completion run
+        self.version: list[int] = []
 
 
 class _Rows:
-    """Room left in each row; first fit with all-or-nothing placement of a group."""
+    """Room left in each row; first fit with all-or-nothing placement of a group.
+
+    First fit opens a row only when no earlier row has room, so rows ``used`` onward
+    are still empty. Rooms only shrink, and every chain of a group has at least the
+    group's shortest chain's tokens, so the rows any of them can take are the earlier
+    rows with that much room left and then the empty ones, in order: one numpy query
+    per group finds the former, and the group is placed among them in plain Python.
+    """
 
     def __init__(self, rows: int, width: int, cap: int | None) -> None:
+        self.rows = rows
         self.width = width
         self.cap = cap
         self.room = np.full(rows, width, dtype=np.int64)  # [rows] token slots left
         self.sroom = np.full(rows, cap or 0, dtype=np.int64)  # [rows] support slots left
         self.nseg = np.zeros(rows, dtype=np.int64)  # [rows] chains placed
+        self.used = 0  # rows [used, rows) are empty
 
     @property
     def filled(self) -> int:
-        return int(self.width * len(self.room) - self.room.sum())
+        return int(self.width * self.rows - self.room.sum())
 
     def place_group(
         self,
-        group: Sequence[Rollout],
-        trained: np.ndarray,
-        supported: np.ndarray,
-        adv: np.ndarray,
+        chains: Sequence[list[_Chain]],
+        trained: list[bool],
+        adv: list[float],
         base: int,
-    ) -> _Placed | None:
-        """Place every chain of ``group`` or, leaving the rows untouched, return None."""
-        saved = (self.room.copy(), self.sroom.copy(), self.nseg.copy())
-        out = _Placed()
-        cap, width, room = self.cap, self.width, self.room
-        for mi, rollout in enumerate(group):
-            with_support = cap is not None and bool(trained[mi]) and bool(supported[mi])
-            if with_support:
-                # Chains hold the completions in call order, so each chain's support is
-                # the next run of the rollout's per-token counts and ids.
-                all_counts, all_ids = _rollout_support(rollout)
-                id_ends = np.cumsum(all_counts)  # [m]
-                tok_at = id_at = 0
-            is_trained, advantage = bool(trained[mi]), float(adv[mi])
-            for runs in chain_runs(rollout.calls):
-                n = sum(len(run.tokens) for run in runs)
-                fits = room >= n  # [rows]
-                if with_support:
-                    flags = trained_mask(runs)  # [n]
-                    k = int(np.count_nonzero(flags))
-                    counts = np.zeros(n, dtype=np.int64)  # [n]
-                    counts[flags] = all_counts[tok_at : tok_at + k]
-                    id_end = int(id_ends[tok_at + k - 1])
-                    ids = all_ids[id_at:id_end]
-                    tok_at, id_at = tok_at + k, id_end
-                    fits &= self.sroom >= len(ids)
+        out: _Placed | None,
+    ) -> bool:
+        """Place every chain of a group (``chains[i]``: member i's) and record them in
+        ``out``, or, leaving the rows and ``out`` untouched, return False."""
+        cap, width = self.cap, self.width
+        shortest = min((c.n for member in chains for c in member), default=width)
+        at = np.flatnonzero(self.room[: self.used] >= shortest).tolist()  # candidate rows
+        room = self.room[at].tolist()  # [len(at)], local until the whole group fits
+        sroom = self.sroom[at].tolist()
+        nseg = self.nseg[at].tolist()
+        opened = self.used  # the next empty row
+        flat: list[int] = []  # per chain of the group, in order
+        segment: list[int] = []
+        sflat: list[int] = []
+        for member in chains:
+            for chain in member:
+                n, k = chain.n, len(chain.ids)
+                for j, left in enumerate(room):
+                    if left >= n and sroom[j] >= k:  # k is 0 without support
+                        break
                 else:
-                    counts, ids = None, _NO_IDS
-                r = int(fits.argmax())
-                if not fits[r]:
-                    self.room, self.sroom, self.nseg = saved
-                    return None
-                out.runs.append(runs)
-                out.lengths.append(n)
-                out.flat.append(r * width + width - int(room[r]))
-                room[r] -= n
-                self.nseg[r] += 1
-                out.segment.append(int(self.nseg[r]))
-                out.rollout.append(base + mi)
-                out.trained.append(is_trained)
-                out.advantage.append(advantage)
+                    if opened == self.rows or n > width or k > (cap or 0):
+                        return False
+                    at.append(opened)
+                    room.append(width)
+                    sroom.append(cap or 0)
+                    nseg.append(0)
+                    opened += 1
+                    j = len(at) - 1
+                r = at[j]
+                flat.append(r * width + width - room[j])
+                nseg[j] += 1
+                segment.append(nseg[j])
                 if cap is not None:
-                    out.support_counts.append(np.zeros(n, np.int64) if counts is None else counts)
-                    out.support_ids.append(ids)
-                    out.support_flat.append(r * cap + cap - int(self.sroom[r]))
-                    self.sroom[r] -= len(ids)
-        return out
+                    sflat.append(r * cap + cap - sroom[j])
+                room[j] -= n
+                sroom[j] -= k
+        self.room[at] = room
+        self.sroom[at] = sroom
+        self.nseg[at] = nseg
+        self.used = opened
+        if out is not None:
+            _record(out, chains, trained, adv, base, flat, segment, sflat)
+        return True
+
+
+def _record(
+    out: _Placed,
+    chains: Sequence[list[_Chain]],
+    trained: list[bool],
+    adv: list[float],
+    base: int,
+    flat: list[int],
+    segment: list[int],
+    sflat: list[int],
+) -> None:
+    """Append a placed group's chains (at ``flat``, numbered ``segment``) to ``out``."""
+    out.flat += flat
+    out.segment += segment
+    out.support_flat += sflat
+    for mi, member in enumerate(chains):
+        is_trained, advantage = trained[mi], adv[mi]
+        for chain in member:
+            out.length.append(chain.n)
+            out.rollout.append(base + mi)
+            out.trained.append(is_trained)
+            out.advantage.append(advantage)
+            out.runs.append(len(chain.runs))
+            out.support_counts.append(chain.counts)
+            out.support_ids.append(chain.ids)
+            for tokens, _, log_probs, version, _ in chain.runs:
+                out.tokens.append(tokens)
+                out.log_probs.append(log_probs)  # None on prompt runs (Run.trained False)
+                out.version.append(version)
 
 
 def _never_fits(group: Sequence[Rollout], rows: int, width: int, cap: int | None) -> str:
@@ -297,113 +404,158 @@ def pack(
     base = 0  # flat index of the group's first member
     for gi, group in enumerate(groups):
         verdicts = [_admit(r, policy, name, cap) for r in group]
-        n = len(verdicts)
-        trained = np.fromiter((v[0] for v in verdicts), dtype=bool, count=n)  # [n]
-        rewards = np.fromiter((v[1] for v in verdicts), dtype=np.float64, count=n)  # [n]
-        supported = np.fromiter((v[2] for v in verdicts), dtype=bool, count=n)  # [n]
-        adv = advantages(estimator, rewards, trained)  # [n]
-        got = space.place_group(group, trained, supported, adv, base)
-        if got is None:
-            if _Rows(rows, width, cap).place_group(group, trained, supported, adv, base) is None:
-                raise ValueError(_never_fits(group, rows, width, cap))
+        trained = [v[0] for v in verdicts]
+        adv = advantages(
+            estimator,
+            np.array([v[1] for v in verdicts], dtype=np.float64),  # [n]
+            np.array(trained, dtype=bool),  # [n]
+        ).tolist()
+        chains = [
+            _chains(r, cap is not None and v[0] and v[2])
+            for r, v in zip(group, verdicts, strict=True)
+        ]
+        if space.place_group(chains, trained, adv, base, placed):
+            packed.append(gi)
+        elif _Rows(rows, width, cap).place_group(chains, trained, adv, base, None):
             cut.append(gi)
         else:
-            placed.extend(got)
-            packed.append(gi)
-        base += n
+            raise ValueError(_never_fits(group, rows, width, cap))
+        base += len(group)
 
-    batch = _assemble(placed, rows, width, cap)
+    batch, trained_tokens = _assemble(placed, space)
     tokens = space.filled
     stats = PackStats(
         packed=tuple(packed),
         cut=tuple(cut),
-        trained_tokens=int(batch["loss_mask"].sum()),
+        trained_tokens=trained_tokens,
         tokens=tokens,
         padding_share=(rows * width - tokens) / (rows * width),
     )
     return batch, stats
 
 
-def _assemble(placed: _Placed, rows: int, width: int, cap: int | None) -> dict[str, np.ndarray]:
-    """Scatter the placed chains into the batch arrays in one pass per field."""
+# --------------------------------------------------------------------------- assembly
+
+
+def _with_pads(values: list[Any], pad: float, p: int, dtype: type) -> np.ndarray:
+    """[len(values) + p]: ``values``, then ``pad`` once per padding piece."""
+    out = np.empty(len(values) + p, dtype=dtype)
+    out[: len(values)] = values
+    out[len(values) :] = pad
+    return out
+
+
+def _assemble(placed: _Placed, space: _Rows) -> tuple[dict[str, np.ndarray], int]:
+    """The batch (and its trained tokens): every field written once, in row-major order.
+
+    The pieces of the flat ``[rows * width]`` batch, in order, are the placed chains
+    sorted by first slot with each row's padding after its last chain; a chain's runs
+    are consecutive pieces too. A per-chain value is one ``np.repeat`` over the pieces'
+    sizes, a per-run value one over the runs', tokens and log-probs one concatenation.
+    """
+    rows, width = space.rows, space.width
     size = rows * width
-    out: dict[str, np.ndarray] = {
-        "tokens": np.zeros(size, dtype=np.int64),
-        "positions": np.zeros(size, dtype=np.int64),
-        "segments": np.zeros(size, dtype=np.int64),
-        "loss_mask": np.zeros(size, dtype=np.float32),
-        "completion_mask": np.zeros(size, dtype=bool),
-        "advantages": np.zeros(size, dtype=np.float32),
-        "behavior_log_probs": np.zeros(size, dtype=np.float32),
-        "proximal_log_probs": np.zeros(size, dtype=np.float32),
-        "versions": np.full(size, -1, dtype=np.int64),
-        "rollout_index": np.full(size, -1, dtype=np.int64),
-    }
-    if placed.runs:
-        # First fit lays each row's chains end to end from slot 0, so the filled slots of
-        # a row are exactly [0, fill): with the chains in row-major order, every field is
-        # one boolean-mask assignment of the chains' concatenation (no index arrays), and
-        # it concatenates the chains' runs (no per-chain arrays are built).
-        flat = np.asarray(placed.flat, dtype=np.int64)  # [c]
-        order = np.argsort(flat, kind="stable")  # [c] row-major
-        lengths = np.asarray(placed.lengths, dtype=np.int64)[order]  # [c]
-        fill = np.bincount(flat[order] // width, weights=lengths, minlength=rows)  # [rows]
-        filled = (np.arange(width) < fill[:, None]).reshape(-1)  # [rows * width]
-        starts = np.cumsum(lengths) - lengths  # [c] offset of each chain in the concatenation
-        total = int(lengths.sum())
-        local = np.arange(total, dtype=np.int64) - np.repeat(starts, lengths)  # [T]
-        runs = [run for i in order for run in placed.runs[i]]
-        run_lengths = np.fromiter((len(r.tokens) for r in runs), np.int64, len(runs))  # [u]
+    pad_rows = np.flatnonzero(space.room)  # [p] rows with padding
+    pad_len = space.room[pad_rows]  # [p]
+    pad_flat = (pad_rows + 1) * width - pad_len  # [p] first padding slot of each
+    c, p, u = len(placed.flat), len(pad_rows), len(placed.tokens)
+    starts = np.empty(c + p, dtype=np.int64)  # [c + p] first slot of each piece
+    starts[:c] = placed.flat
+    starts[c:] = pad_flat
+    order = np.argsort(starts, kind="stable")  # [c + p] pieces in row-major order
+    lengths = np.concatenate([np.asarray(placed.length, dtype=np.int64), pad_len])[order]
 
-        def per_chain(values: list[int] | list[bool] | list[float], dtype: type) -> np.ndarray:
-            return np.repeat(np.asarray(values, dtype=dtype)[order], lengths)  # [T]
+    # Runs in row-major order: each chain's runs, and each row's padding as one run of
+    # its own (numbered after the chains' u runs).
+    nruns = _with_pads(placed.runs, 1, p, np.int64)[order]  # [c + p]
+    first = np.empty(c + p, dtype=np.int64)  # [c + p] index of each piece's first run
+    first[:c] = np.cumsum(placed.runs) - placed.runs
+    first[c:] = np.arange(u, u + p)
+    first = first[order]
+    run_order = np.repeat(first - (np.cumsum(nruns) - nruns), nruns) + np.arange(
+        int(nruns.sum())
+    )  # [u + p]
+    zeros = np.zeros(width, dtype=np.int64)
+    tokens = placed.tokens + [zeros[:k] for k in pad_len.tolist()]
+    log_probs = placed.log_probs + [None] * p
+    ordered = run_order.tolist()
+    pieces = [tokens[i] for i in ordered]
+    run_len = np.fromiter(map(len, pieces), dtype=np.int64, count=len(pieces))  # [u + p]
+    # A completion run is one with log-probs: prompt runs and padding carry None.
+    completion = np.fromiter((lp is not None for lp in log_probs), dtype=bool, count=u + p)[
+        run_order
+    ]  # [u + p]
+    versions = _with_pads(placed.version, -1, p, np.int64)[run_order]  # [u + p]
+    trains = _with_pads(placed.trained, False, p, bool)[order]  # [c + p]
+    loss = completion & np.repeat(trains, nruns)  # [u + p]
+    adv = _with_pads(placed.advantage, 0.0, p, np.float64)[order]  # [c + p]
+    run_adv = np.where(loss, np.repeat(adv, nruns), 0.0)  # [u + p]
 
-        def per_run(values: Iterable[int] | Iterable[bool], dtype: type) -> np.ndarray:
-            return np.repeat(np.fromiter(values, dtype, len(runs)), run_lengths)  # [T]
-
-        completion = per_run((r.trained for r in runs), bool)  # [T]
-        loss = completion & per_chain(placed.trained, bool)
-        behavior = np.zeros(total)  # [T]
-        behavior[completion] = np.concatenate([r.log_probs for r in runs if r.trained])
-        out["tokens"][filled] = np.concatenate([r.tokens for r in runs])
-        out["positions"][filled] = local
-        out["segments"][filled] = per_chain(placed.segment, np.int64)
-        out["loss_mask"][filled] = loss
-        out["completion_mask"][filled] = completion
-        out["advantages"][filled] = np.where(loss, per_chain(placed.advantage, np.float64), 0.0)
-        out["behavior_log_probs"][filled] = behavior
-        out["versions"][filled] = per_run((r.version for r in runs), np.int64)
-        out["rollout_index"][filled] = per_chain(placed.rollout, np.int64)
+    out: dict[str, np.ndarray] = {"tokens": np.empty(size, dtype=np.int64)}
+    np.concatenate(pieces, out=out["tokens"])
+    # Positions: 0, 1, ... along each chain, 0 on padding; one pass, from views.
+    count = np.arange(width, dtype=np.int64)
+    out["positions"] = np.empty(size, dtype=np.int64)
+    ks = zip(order.tolist(), lengths.tolist(), strict=True)
+    np.concatenate([(count if i < c else zeros)[:k] for i, k in ks], out=out["positions"])
+    out["segments"] = np.repeat(_with_pads(placed.segment, 0, p, np.int64)[order], lengths)
+    out["loss_mask"] = np.repeat(loss.astype(np.float32), run_len)
+    out["completion_mask"] = np.repeat(completion, run_len)
+    out["advantages"] = np.repeat(run_adv.astype(np.float32), run_len)
+    out["behavior_log_probs"] = np.empty(size, dtype=np.float32)
+    zero_lp: dict[int, np.ndarray] = {}  # log-probs of the runs without any, by size
+    lp_pieces = []
+    for i, k in zip(ordered, run_len.tolist(), strict=True):
+        lp = log_probs[i]
+        if lp is None:
+            lp = zero_lp.get(k)
+            if lp is None:
+                lp = zero_lp[k] = np.zeros(k)
+        lp_pieces.append(lp)
+    np.concatenate(lp_pieces, out=out["behavior_log_probs"], casting="same_kind")
+    out["proximal_log_probs"] = np.zeros(size, dtype=np.float32)
+    out["versions"] = np.repeat(versions, run_len)
+    out["rollout_index"] = np.repeat(_with_pads(placed.rollout, -1, p, np.int64)[order], lengths)
     batch = {k: v.reshape(rows, width) for k, v in out.items()}
-    if cap is not None:
-        batch.update(_assemble_support(placed, rows, width, cap, batch["loss_mask"].size))
-    return batch
+    if space.cap is not None:
+        batch.update(_assemble_support(placed, space, order, lengths))
+    return batch, int(run_len[loss].sum())
 
 
 def _assemble_support(
-    placed: _Placed, rows: int, width: int, cap: int, size: int
+    placed: _Placed, space: _Rows, order: np.ndarray, lengths: np.ndarray
 ) -> dict[str, np.ndarray]:
-    support = np.full(rows * cap, -1, dtype=np.int64)
-    counts = np.zeros(size, dtype=np.int64)  # [rows * width] support ids per token
-    if placed.runs:
-        lengths = np.fromiter(
-            (len(c) for c in placed.support_counts), dtype=np.int64, count=len(placed.runs)
-        )
-        starts = np.cumsum(lengths) - lengths
-        dest = np.repeat(np.asarray(placed.flat, dtype=np.int64), lengths) + (
-            np.arange(int(lengths.sum()), dtype=np.int64) - np.repeat(starts, lengths)
-        )
-        counts[dest] = np.concatenate(placed.support_counts)
-        nids = np.fromiter(
-            (len(i) for i in placed.support_ids), dtype=np.int64, count=len(placed.runs)
-        )
-        if nids.sum():
-            sstarts = np.cumsum(nids) - nids
-            sdest = np.repeat(np.asarray(placed.support_flat, dtype=np.int64), nids) + (
-                np.arange(int(nids.sum()), dtype=np.int64) - np.repeat(sstarts, nids)
-            )
-            support[sdest] = np.concatenate(placed.support_ids)
-    counts = counts.reshape(rows, width)
+    """``support`` and ``support_offsets``; ``order`` and ``lengths`` as in :func:`_assemble`.
+
+    Support ids fill each row of ``support`` from slot 0 in placement order, as tokens
+    fill the batch's rows: the chains' ids sorted by first support slot are each row's
+    ids end to end, written into rows of -1 one slice per row.
+    """
+    rows, width, cap = space.rows, space.width, space.cap
+    assert cap is not None
+    c = len(placed.flat)
+    # Per token: the chain's counts, zeros on chains without support and on padding.
+    counts = placed.support_counts + [None] * (len(order) - c)
+    zeros = np.zeros(width, dtype=np.int64)
+    per_token = np.empty(rows * width, dtype=np.int64)
+    np.concatenate(
+        [
+            zeros[:k] if counts[i] is None else counts[i]
+            for i, k in zip(order.tolist(), lengths.tolist(), strict=True)
+        ],
+        out=per_token,
+    )
     offsets = np.zeros((rows, width + 1), dtype=np.int64)  # [rows, width + 1]
-    np.cumsum(counts, axis=1, out=offsets[:, 1:])
-    return {"support": support.reshape(rows, cap), "support_offsets": offsets}
+    np.cumsum(per_token.reshape(rows, width), axis=1, out=offsets[:, 1:])
+    support = np.full((rows, cap), -1, dtype=np.int64)  # [rows, cap]
+    sorder = np.argsort(np.asarray(placed.support_flat, dtype=np.int64), kind="stable")
+    ids = [placed.support_ids[i] for i in sorder.tolist()]
+    if ids:
+        all_ids = np.concatenate(ids)  # row after row
+        used = cap - space.sroom  # [rows] ids in each row
+        at = 0
+        for r in np.flatnonzero(used).tolist():
+            k = int(used[r])
+            support[r, :k] = all_ids[at : at + k]
+            at += k
+    return {"support": support, "support_offsets": offsets}

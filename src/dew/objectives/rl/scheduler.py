@@ -417,7 +417,7 @@ class RolloutScheduler:
         metrics = session_metrics(packed, out, updates=updates)
         dropped: list[tuple[str, Rollout]] = counts["dropped_rollouts"]
         dropped += [("cut", r) for r in cut]
-        metrics.update(_length_bias(packed, dropped, counts["late_cancelled"]))
+        metrics.update(_length_bias(packed, dropped, counts["late_cancelled"], metrics))
         metrics["pack/padding_share"] = stats.padding_share
         metrics["tasks/abandoned"] = float(len(consumed.abandoned))
         _check_stuck(self._source, metrics)
@@ -473,12 +473,16 @@ def _length_bias(
     admitted: Sequence[Rollout],
     dropped: Sequence[tuple[str, Rollout]],
     late_cancelled: Sequence[Rollout],
+    metrics: Mapping[str, float],
 ) -> dict[str, float]:
     """Mean completion length and reward of what trained against what was left out.
 
     Cut and stale rollouts finished, so their figures are exact. Rollouts cancelled
     as surplus or timed out report only what they produced before the cancel (a
-    lower bound), and only when the source returns partial calls.
+    lower bound), and only when the source returns partial calls. ``metrics`` are
+    :func:`session_metrics` of ``admitted``: the admitted figures are its mean
+    completion length and reward (the same means over the same rollouts), read rather
+    than computed again over every rollout of the call.
     """
     out: dict[str, float] = {}
 
@@ -490,7 +494,10 @@ def _length_bias(
         if rewards:
             out[f"bias/{name}_reward"] = float(np.mean(rewards))
 
-    put("admitted", admitted)
+    if admitted:
+        out["bias/admitted_len"] = metrics["completion_tokens_mean"]
+        if "reward/mean" in metrics:
+            out["bias/admitted_reward"] = metrics["reward/mean"]
     for why in ("cut", "stale"):
         put(why, [r for w, r in dropped if w == why])
     put("cancelled_partial", late_cancelled)
