@@ -51,7 +51,7 @@ import _results
 from _results import machine, write_section, write_summary_row
 from _vs_trl_common import WINDOW, RunResult, RunSpec
 from dew.demo.tail import Workload
-from vs_trl import median_reach, reach_cell, run_worker
+from vs_trl import median_reach, reach_cell, run_worker, speed_ratio
 
 RESULTS = _results.RESULTS
 # The reward each task's runs race to, well above what an untrained model scores (about
@@ -85,8 +85,13 @@ class Policy:
             raise SystemExit(f"--policy {text!r}: ahead[,os=N] with whole numbers >= 0")
         return cls(ahead, oversample)
 
-    def label(self) -> str:
-        return f"dew (ahead {self.ahead}" + (f", os {self.oversample})" if self.oversample else ")")
+    def label(self, engines: int = 0) -> str:
+        parts = [f"ahead {self.ahead}"]
+        if self.oversample:
+            parts.append(f"os {self.oversample}")
+        if engines:
+            parts.append(f"{engines} engine processes")
+        return f"dew ({', '.join(parts)})"
 
 
 @dataclass(frozen=True)
@@ -105,8 +110,7 @@ def _runs(policy: Policy, fleet: int) -> list[Run]:
     ours = Run(policy.label(), "dew", policy.ahead, policy.oversample)
     runs = [ours]
     if fleet:
-        label = f"{ours.label[:-1]}, {fleet} engine processes)"
-        runs.append(Run(label, "dew", policy.ahead, policy.oversample, fleet))
+        runs.append(Run(policy.label(fleet), "dew", policy.ahead, policy.oversample, fleet))
     return [*runs, Run("dew sync (ahead 0)", "dew", 0), Run("TRL GRPOTrainer", "trl")]
 
 
@@ -161,14 +165,13 @@ def ratio_text(ours: list[RunResult], other: list[RunResult]) -> tuple[str, floa
     bound ('>') when other's median run never got there, counted at its whole length."""
     mine, _ = median_reach(ours)
     theirs, _ = median_reach(other)
-    if mine == float("inf"):
-        return ("n/a (neither reached it)" if theirs == float("inf") else "0x"), (
-            None if theirs == float("inf") else 0.0
-        )
-    if theirs == float("inf"):
+    ratio = speed_ratio(mine, theirs)
+    if ratio is None:
+        return "n/a (neither reached it)", None
+    if ratio == float("inf"):
         bound = statistics.median(r.seconds for r in other) / mine
         return f"> {bound:.2f}x (not reached in its run)", bound
-    return f"{theirs / mine:.2f}x", theirs / mine
+    return f"{ratio:.2f}x", ratio
 
 
 def report(task: str, runs: list[Run], results: dict[str, list[RunResult]]) -> tuple[str, list]:
