@@ -14,8 +14,11 @@ import random
 import signal
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 from contextlib import ExitStack, closing
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -118,6 +121,52 @@ def test_a_fleet_behind_sglang_router(tmp_path: Path) -> None:
             "b did not rejoin after SIGCONT",
         )
         assert set(admin.workers()) == {a.url, b.url}
+
+
+class _GatedAdmin:
+    """The fleet's real RouterAdmin, except that ``remove`` waits for the test's gate."""
+
+    def __init__(self, inner: RouterAdmin) -> None:
+        self.inner = inner
+        self.entered = threading.Event()
+        self.gate = threading.Event()
+
+    def remove(self, url: str) -> None:
+        self.entered.set()
+        self.gate.wait(WAIT)
+        self.inner.remove(url)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+
+@pytest.mark.timeout(300)
+def test_load_returns_only_once_a_member_taken_out_during_the_push_left_the_list() -> None:
+    # The health thread may take a stopped member out while a push waits on it; load
+    # saw it leave, so it must not return before the router dropped it (here the
+    # router's answer is held back by the test until load was seen waiting).
+    with ExitStack() as stack:
+        a, b = start_servers(stack, ("--demo", "tiny"), ("--demo", "tiny"))
+        router = _router(stack, [a.url, b.url])
+        admin = stack.enter_context(closing(RouterAdmin(router, api_key=None, timeout=30)))
+        fleet = stack.enter_context(EngineFleet([a.url, b.url], router=router, health_interval=1.0))
+        gated = _GatedAdmin(fleet._admin)  # type: ignore[arg-type]
+        fleet._admin = gated  # type: ignore[assignment]
+        pool = stack.enter_context(ThreadPoolExecutor(max_workers=1))
+        stack.callback(gated.gate.set)  # first out of the stack: nothing waits on it
+        os.kill(b.pid, signal.SIGSTOP)
+        try:
+            loaded = pool.submit(fleet.load, lively("qwen2", 4), 2)
+            assert gated.entered.wait(WAIT), "b was never taken off the router's list"
+            with pytest.raises(FutureTimeout):
+                loaded.result(timeout=1.0)  # b is still on the list
+            gated.gate.set()
+            loaded.result(timeout=WAIT)
+            assert by_url(fleet, b.url).state == "out"
+            assert set(admin.workers()) == {a.url}
+        finally:
+            gated.gate.set()
+            os.kill(b.pid, signal.SIGCONT)
 
 
 def test_router_policy_is_checked() -> None:

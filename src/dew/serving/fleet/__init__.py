@@ -33,7 +33,9 @@ then closes the member engines and stops the local processes (SIGTERM, SIGKILL a
 grace period; only the pids started here). One lock guards the routing tables and the
 member states; futures are resolved outside it. A second lock orders publishing:
 :meth:`EngineFleet.load` and every bring-up of a member hold it, so a member never
-joins at a version other than the fleet's.
+joins at a version other than the fleet's. A third orders edits of the router's list: a
+take-out holds it from the member's state change until the router dropped the member,
+so ``load`` never returns while a member it saw leave is still on the list.
 
 Invariants:
 

@@ -132,6 +132,10 @@ class EngineFleet(Care, Engine):
                     self._admin.remove(m.engine.url)
         self._lock = threading.Lock()
         self._publish_lock = threading.Lock()
+        # Orders edits of the router's list: a take-out holds it from the state change
+        # until the router dropped the member, so a push that saw the member go out
+        # (and takes it too, in _take_out) returns only once the list is right.
+        self._router_lock = threading.Lock()
         self._closed = False
         self._publishing = False  # a push is under way: new calls wait for its end
         self._affinity: OrderedDict[Hashable, Member] = OrderedDict()
@@ -380,22 +384,25 @@ class EngineFleet(Care, Engine):
 
     def _take_out(self, member: Member, gen: int, reason: str) -> None:
         """Out of rotation; fail its calls with EngineError and abort them there."""
-        with self._lock:
-            if member.gen != gen or member.state not in (UP, OUT):
-                return
-            was = member.state
-            member.state, member.reason, member.gen = OUT, reason, gen + 1
-            member.failures, member.confirmed = 0, -1
-            member.retry_at = time.monotonic() + member.backoff
-            calls = list(member.calls)
-            member.calls.clear()
-        if was == UP:
-            log.warning("fleet: %s taken out: %s", member.engine.url, reason)
-            if self._admin is not None and member is not self._front:
-                try:
-                    self._admin.remove(member.engine.url)
-                except EngineError as exc:  # the router then finds it unhealthy itself
-                    log.warning("fleet: %s stays on the router's list: %s", member.engine.url, exc)
+        with self._router_lock:
+            with self._lock:
+                if member.gen != gen or member.state not in (UP, OUT):
+                    return
+                was = member.state
+                member.state, member.reason, member.gen = OUT, reason, gen + 1
+                member.failures, member.confirmed = 0, -1
+                member.retry_at = time.monotonic() + member.backoff
+                calls = list(member.calls)
+                member.calls.clear()
+            if was == UP:
+                log.warning("fleet: %s taken out: %s", member.engine.url, reason)
+                if self._admin is not None and member is not self._front:
+                    try:
+                        self._admin.remove(member.engine.url)
+                    except EngineError as exc:  # the router then finds it unhealthy itself
+                        log.warning(
+                            "fleet: %s stays on the router's list: %s", member.engine.url, exc
+                        )
         error = EngineError(f"{member.engine.url} was taken out of the fleet: {reason}")
         dead = member.local is not None and not member.local.alive()
         for call in calls:
@@ -405,21 +412,25 @@ class EngineFleet(Care, Engine):
 
     def _join(self, member: Member, gen: int, version: int) -> bool:
         """Put a member brought to ``version`` back in rotation (publish lock held)."""
-        if self._admin is not None:
-            try:
-                self._admin.add(member.engine.url)
-            except EngineError as exc:
-                with self._lock:
-                    member.reason = f"the router did not take it back: {exc}"
-                    member.backoff = min(BACKOFF_MAX, member.backoff * 2)
-                    member.retry_at = time.monotonic() + member.backoff
-                return False
-        with self._lock:
-            if member.gen != gen or self._closed:
-                return False
-            member.state, member.reason = UP, ""
-            member.confirmed = member.pushed = version
-            member.failures, member.backoff = 0, 0.5
+        with self._router_lock:
+            with self._lock:  # taken out (or closed) since: it must not reach the list
+                if member.gen != gen or self._closed:
+                    return False
+            if self._admin is not None:
+                try:
+                    self._admin.add(member.engine.url)
+                except EngineError as exc:
+                    with self._lock:
+                        member.reason = f"the router did not take it back: {exc}"
+                        member.backoff = min(BACKOFF_MAX, member.backoff * 2)
+                        member.retry_at = time.monotonic() + member.backoff
+                    return False
+            with self._lock:
+                if member.gen != gen or self._closed:
+                    return False
+                member.state, member.reason = UP, ""
+                member.confirmed = member.pushed = version
+                member.failures, member.backoff = 0, 0.5
         log.warning("fleet: %s in rotation at version %d", member.engine.url, version)
         self._drain()
         return True
