@@ -27,3 +27,13 @@ def test_parse_policy():
         parse_policy("1,x=2", 64, 8)
     with pytest.raises(ValueError, match="must start with ahead"):
         parse_policy("a", 64, 8)
+
+
+def test_plan_names_the_recommended_policy_and_max_bias_takes_effect(capsys):
+    argv = ["--preset", "dapo", "--tasks", "8", "--group", "8", "--T", "0.5x", "--steps", "6"]
+    argv += ["--warmup", "2", "--policies", "1; 1,admit=50%"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[-1].startswith("recommended: ahead 1 (") and "within 0.02" in out[-1]
+    assert main([*argv, "--max-bias", "0.9"]) == 0  # admitting half the tasks is now allowed
+    assert capsys.readouterr().out.splitlines()[-1].startswith("recommended: ahead 1 + admit 4")

@@ -4,7 +4,8 @@ import pytest
 
 from dew.objectives.rl.config import SchedulerConfig
 from dew.plan._engine import EngineConfig, EngineModel
-from dew.plan.planner import Scenario, plan, simulate
+from dew.plan._trace import Figures
+from dew.plan.planner import Scenario, plan, recommend, simulate
 from dew.plan.presets import LengthPreset
 
 
@@ -118,3 +119,49 @@ def test_sync_every_pushes_every_other_step():
     trace = simulate(SchedulerConfig.tight(ahead=0, sync_every=2), sc)
     assert [s.lag for s in trace.steps] == [0, 1, 0, 1]
     assert [s.lag for s in simulate(SchedulerConfig.tight(ahead=0), sc).steps] == [0] * 4
+
+
+def _figures(samples_per_s: float, bias: float = 1.0, lag: float = 1.0, wasted: float = 0.0):
+    return Figures(
+        fraction=1.0,
+        samples_ratio=1.0,
+        samples_per_s=samples_per_s,
+        step_time=1.0,
+        limit_step=1.0,
+        trainer_idle=0.0,
+        engine_idle=0.0,
+        lag=lag,
+        token_lag=lag,
+        length_bias=bias,
+        wasted=wasted,
+    )
+
+
+def test_recommend_the_fastest_unbiased_policy():
+    sync, one, two = (SchedulerConfig.tight(ahead=a) for a in (0, 1, 2))
+    cut = SchedulerConfig.tight(ahead=1, oversample=4)
+    rows = [
+        (sync, _figures(60.0, lag=0.0)),
+        (one, _figures(100.0, lag=1.0)),
+        (two, _figures(101.0, lag=2.0)),  # within 2% of the fastest: the fresher one wins
+        (cut, _figures(130.0, bias=0.9, wasted=0.3)),  # fastest, but trains shorter answers
+    ]
+    assert recommend(rows) == one
+    assert recommend(rows, max_bias=0.1) == cut  # a looser bound admits the cutting policy
+    assert recommend(rows[:1] + rows[2:]) == two
+    # ties on speed and lag: the one that wastes fewer tokens
+    os2 = SchedulerConfig.tight(ahead=1, oversample=2)
+    assert recommend([(os2, _figures(100.0, wasted=0.2)), (one, _figures(100.0))]) == one
+    # every policy biased: the least biased one
+    assert recommend([(cut, _figures(130.0, bias=0.9)), (one, _figures(90.0, bias=0.95))]) == one
+    with pytest.raises(ValueError, match="rows"):
+        recommend([])
+    with pytest.raises(ValueError, match="max_bias"):
+        recommend(rows, max_bias=-1.0)
+
+
+def test_recommend_on_a_planned_heavy_tail_prefers_running_ahead():
+    sc = Scenario.relative("tail", 8, 8, 1.0, steps=8, warmup=2)
+    policies = [SchedulerConfig.tight(ahead=a) for a in (0, 1)]
+    planned = [(p, plan(p, sc)) for p in policies]
+    assert recommend(planned) == SchedulerConfig.tight(ahead=1)

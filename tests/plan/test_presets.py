@@ -43,6 +43,24 @@ def test_longcot_truncates_about_15_percent():
     assert math.sqrt(math.expm1(p.sigma_sample**2)) == pytest.approx(0.15)
 
 
+def test_tail_is_the_demo_workloads_answer_lengths():
+    from dew.demo.tail import Workload
+
+    w = Workload()
+    p = preset("tail")
+    assert (p.mu, p.sigma_task, p.sigma_sample, p.cap) == (
+        math.log(w.length_median),
+        w.length_sigma,
+        0.0,
+        w.length_cap,
+    )
+    lengths, truncated, logs, within, _ = _levels(p)
+    assert within == 0.0  # a group shares its task's target length
+    assert np.median(lengths) == pytest.approx(24, abs=1)
+    assert logs.std() == pytest.approx(0.9, abs=0.02)
+    assert 0.005 < truncated.mean() < 0.03 and lengths.max() == 192
+
+
 def test_sampling_is_seeded():
     p = PRESETS["dapo"]
     a = p.sample(np.random.default_rng(7), 5, 4)[0]

@@ -5,6 +5,10 @@ Example::
     dew plan --preset dapo --tasks 64 --group 8 --T 0.5x
     dew plan --preset longcot --tasks 128 --group 16 --T 120 --policies "0;1;2;1,os=4"
 
+The last line names the policy to run: the most admitted samples per second among the
+policies whose length bias stays within ``--max-bias`` (see
+:func:`dew.plan.planner.recommend`).
+
 ``--T`` is seconds, or a multiple of one batch's generation time at full engine
 throughput when it ends in ``x``. ``--policies`` is a ``;``-separated list of
 ``ahead[,os=N][,admit=N][,lag=N]`` (oversample and admit may be given as ``N%`` of the
@@ -20,7 +24,7 @@ from collections.abc import Sequence
 
 from dew.objectives.rl.config import SchedulerConfig
 from dew.plan._engine import EngineConfig
-from dew.plan.planner import Scenario, generation_time, plan
+from dew.plan.planner import Scenario, generation_time, plan, recommend
 from dew.plan.presets import PRESETS, preset
 
 __all__ = ["default_policies", "main", "parse_policy"]
@@ -134,6 +138,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         default=256,
         help="sequences the engine runs at once (default: 256)",
     )
+    ap.add_argument(
+        "--max-bias",
+        type=float,
+        default=0.02,
+        help="the recommended policy's mean admitted length stays within this share of "
+        "the drawn mean (default: 0.02)",
+    )
     args = ap.parse_args(argv)
     engine = EngineConfig(args.a, args.b, args.max_active)
     p = preset(args.preset)
@@ -155,17 +166,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         else default_policies(args.tasks, args.group)
     )
     print(
-        f"{args.preset}: {args.tasks} tasks x {args.group}, T = {T:.1f} s, one batch at full "
-        f"throughput ({engine.full_throughput:,.0f} tokens/s) = {gen:.1f} s"
+        f"{args.preset}: {args.tasks} tasks x {args.group}, T = {T:.3g} s, one batch at full "
+        f"throughput ({engine.full_throughput:,.0f} tokens/s) = {gen:.3g} s"
     )
     head = (
         f"{'policy':<28} {'fraction':>8} {'samples':>8} {'tr idle':>7} {'en idle':>7} "
         f"{'lag':>5} {'tok lag':>7} {'bias':>6} {'wasted':>6} {'ms':>5}"
     )
     print(head)
+    rows = []
     for pol in pols:
         t0 = time.perf_counter()
         f = plan(pol, sc)
+        rows.append((pol, f))
         ms = (time.perf_counter() - t0) * 1e3
         print(
             f"{pol.name:<28} {f.fraction:>8.3f} {f.samples_ratio:>8.3f} {f.trainer_idle:>7.2f} "
@@ -175,6 +188,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(
         "fraction: of max(T, batch tokens / full throughput); samples: admitted samples/s "
         "against the limit's; bias: mean admitted length / mean drawn length"
+    )
+    print(
+        f"recommended: {recommend(rows, args.max_bias).name} (the most samples/s with a "
+        f"length bias within {args.max_bias:g})"
     )
     return 0
 

@@ -41,6 +41,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections import defaultdict
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -61,6 +62,7 @@ __all__ = [
     "limit_steps",
     "plan",
     "policy_for",
+    "recommend",
     "simulate",
 ]
 
@@ -281,3 +283,28 @@ def simulate(policy: SchedulerConfig, scenario: Scenario) -> Trace:
 def plan(policy: SchedulerConfig, scenario: Scenario) -> Figures:
     """Predicted steady-state figures of ``policy`` on ``scenario``."""
     return summarize(simulate(policy, scenario), scenario.warmup)
+
+
+def recommend(
+    rows: Sequence[tuple[SchedulerConfig, Figures]], max_bias: float = 0.02
+) -> SchedulerConfig:
+    """The policy of ``rows`` to run: the most admitted samples per second among those
+    whose length bias is within ``max_bias`` of 1.
+
+    A policy that cuts the tail (oversample, admit) admits short answers first; past a
+    small bias it trains on a different length distribution than the task's, so speed
+    alone is not the criterion. Policies within 2% of the fastest count as equally
+    fast; among them the one with the least lag wins (fresher data for the same speed),
+    then the one that wastes the fewest tokens. When every policy is past ``max_bias``
+    the least biased one is returned.
+    """
+    if not rows:
+        raise ValueError("rows: no planned policy to recommend from")
+    if not (max_bias >= 0 and math.isfinite(max_bias)):
+        raise ValueError(f"max_bias={max_bias}: must be a finite number >= 0")
+    fair = [(p, f) for p, f in rows if abs(f.length_bias - 1.0) <= max_bias]
+    if not fair:
+        return min(rows, key=lambda r: abs(r[1].length_bias - 1.0))[0]
+    best = max(f.samples_per_s for _, f in fair)
+    fast = [(p, f) for p, f in fair if f.samples_per_s >= 0.98 * best]
+    return min(fast, key=lambda r: (r[1].lag, r[1].wasted))[0]

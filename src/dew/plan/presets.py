@@ -20,6 +20,13 @@ correlated the way they are in real GRPO traces:
     ``CV**2 = exp(sigma**2) - 1``, so ``sigma = sqrt(log(1 + CV**2))`` per level and
     ``mu = log(mean) - (sigma_task**2 + sigma_sample**2) / 2``. Same cap as ``dapo``.
     Its tail is far lighter than ``dapo``'s, which is the point of having both.
+``tail``
+    The answer lengths of dew's own heavy-tailed demo workload
+    (:class:`dew.demo.tail.Workload`'s defaults, read from it): a target length per
+    task, lognormal with median 24 and sigma 0.9, capped at 192. Every sample of a
+    group aims at its task's target, so the whole spread is between tasks
+    (``sigma_sample = 0``); a model that has not learned to stop yet spreads its
+    samples around it, which this preset leaves out.
 ``longcot``
     Long chain of thought: ``mu = 8.90`` (median about 7300 tokens), total sigma 0.80,
     within-group CV 0.15 (so nearly all the spread is between tasks), cap 16000. The
@@ -108,12 +115,20 @@ def _split(name: str, mu: float, sigma: float, sigma_sample: float, cap: int) ->
     return LengthPreset(name, mu, math.sqrt(sigma**2 - sigma_sample**2), sigma_sample, cap)
 
 
+def _demo_tail(name: str) -> LengthPreset:
+    from dew.demo.tail import Workload  # the numbers are the workload's, written once
+
+    w = Workload()
+    return LengthPreset(name, math.log(w.length_median), w.length_sigma, 0.0, w.length_cap)
+
+
 PRESETS: Mapping[str, LengthPreset] = MappingProxyType(
     {
         # 1/3 of the log-variance between tasks, 2/3 within a group.
         "dapo": _split("dapo", 6.04, 0.93, 0.93 * math.sqrt(2 / 3), 20480),
         "dapo-moments": _moments("dapo-moments", 581.0, 0.39, 0.55, 20480),
         # within-group CV 0.15 fixes sigma_sample; the rest of sigma 0.80 is between tasks.
+        "tail": _demo_tail("tail"),
         "longcot": _split("longcot", 8.90, 0.80, math.sqrt(math.log1p(0.15**2)), 16000),
     }
 )
