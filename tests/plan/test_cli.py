@@ -37,3 +37,18 @@ def test_plan_names_the_recommended_policy_and_max_bias_takes_effect(capsys):
     assert out[-1].startswith("recommended: ahead 1 (") and "within 0.02" in out[-1]
     assert main([*argv, "--max-bias", "0.9"]) == 0  # admitting half the tasks is now allowed
     assert capsys.readouterr().out.splitlines()[-1].startswith("recommended: ahead 1 + admit 4")
+
+
+def test_plan_latency_flags_take_effect(capsys):
+    argv = ["--preset", "tail", "--tasks", "8", "--group", "8", "--T", "1x", "--steps", "8"]
+    argv += ["--warmup", "2", "--policies", "0"]
+
+    def sync_fraction(*extra: str) -> float:
+        assert main([*argv, *extra]) == 0
+        out = capsys.readouterr().out.splitlines()
+        return float(next(line for line in out if line.startswith("sync"))[28:].split()[0])
+
+    instant = sync_fraction()
+    fixed = sync_fraction("--latency", "0.05")
+    drawn = sync_fraction("--latency", "0.05", "--latency-sigma", "0.6")
+    assert instant > fixed > drawn

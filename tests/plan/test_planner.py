@@ -165,3 +165,52 @@ def test_recommend_on_a_planned_heavy_tail_prefers_running_ahead():
     policies = [SchedulerConfig.tight(ahead=a) for a in (0, 1)]
     planned = [(p, plan(p, sc)) for p in policies]
     assert recommend(planned) == SchedulerConfig.tight(ahead=1)
+
+
+def test_a_fixed_verifier_latency_adds_to_each_synchronous_step():
+    # Flat lengths, latency 2 s with sigma 0: every rollout is scored 2 s after its
+    # last token, so a synchronous step waits generation + 2 s, and the trainer
+    # then trains T; the engine is idle while the scores come in.
+    T, latency = 5.0, 2.0
+    p = LengthPreset("flat", math.log(100), 0.0, 0.0, 1000)
+    sc = Scenario(p, tasks=2, group=2, T=T, steps=3, warmup=1, latency=latency)
+    trace = simulate(SchedulerConfig.tight(ahead=0), sc)
+    cfg = sc.engine
+    gen = 100 * (cfg.a + cfg.b * 4)
+    for k, s in enumerate(trace.steps):
+        assert s.call == pytest.approx(k * (gen + latency + T))
+        assert s.waited == pytest.approx(gen + latency)
+        assert (s.samples, s.tokens) == (4, 400)
+
+
+def test_running_ahead_hides_the_verifier_latency_that_sync_waits_for():
+    scored = Scenario.relative("tail", 8, 8, 1.0, steps=10, warmup=3, latency=0.05)
+    drawn = Scenario.relative(
+        "tail", 8, 8, 1.0, steps=10, warmup=3, latency=0.05, latency_sigma=0.6
+    )
+    sync, ahead = SchedulerConfig.tight(ahead=0), SchedulerConfig.tight(ahead=2)
+    instant = Scenario.relative("tail", 8, 8, 1.0, steps=10, warmup=3)
+    assert plan(sync, scored).step_time == pytest.approx(plan(sync, instant).step_time + 0.05)
+    assert plan(sync, drawn).step_time > plan(sync, scored).step_time  # the tail of the draws
+    assert plan(ahead, drawn).fraction > 1.5 * plan(sync, drawn).fraction
+    # Cutting the slowest verifications (oversample) costs no length bias: within a
+    # group of the tail preset every sample has its task's length.
+    over = plan(SchedulerConfig.tight(ahead=1, oversample=2), drawn)
+    assert over.length_bias == pytest.approx(1.0) and over.wasted > 0
+
+
+def test_verifier_latencies_are_seeded_per_rollout():
+    runs = [
+        simulate(
+            SchedulerConfig.tight(ahead=1),
+            Scenario.relative(
+                "tail", 4, 4, 1.0, steps=4, warmup=1, latency=0.05, latency_sigma=0.6, seed=s
+            ),
+        )
+        for s in (0, 0, 1)
+    ]
+    ends = [[st.end for st in r.steps] for r in runs]
+    assert ends[0] == ends[1] and ends[0] != ends[2]
+    for name in ("latency", "latency_sigma"):
+        with pytest.raises(ValueError, match=name):
+            Scenario.relative("tail", 4, 4, 1.0, **{name: -0.1})

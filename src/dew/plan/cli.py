@@ -4,6 +4,7 @@ Example::
 
     dew plan --preset dapo --tasks 64 --group 8 --T 0.5x
     dew plan --preset longcot --tasks 128 --group 16 --T 120 --policies "0;1;2;1,os=4"
+    dew plan --preset tail --tasks 8 --group 8 --T 0.15 --latency 0.05 --latency-sigma 0.6
 
 The last line names the policy to run: the most admitted samples per second among the
 policies whose length bias stays within ``--max-bias`` (see
@@ -95,7 +96,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         "length bias before spending accelerators, with an event-driven model of one "
         "shared engine and a trainer.",
         epilog="examples:\n  dew plan --preset dapo --tasks 64 --group 8 --T 0.5x\n"
-        '  dew plan --preset longcot --tasks 128 --group 16 --T 120 --policies "0;1;2;1,os=4"',
+        '  dew plan --preset longcot --tasks 128 --group 16 --T 120 --policies "0;1;2;1,os=4"\n'
+        "  dew plan --preset tail --tasks 8 --group 8 --T 0.15 --latency 0.05 --latency-sigma 0.6",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     ap.add_argument(
@@ -139,6 +141,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="sequences the engine runs at once (default: 256)",
     )
     ap.add_argument(
+        "--latency",
+        type=float,
+        default=0.0,
+        help="median seconds from a rollout's last token to its score, drawn per rollout "
+        "from a lognormal (default: 0, scored at once)",
+    )
+    ap.add_argument(
+        "--latency-sigma",
+        type=float,
+        default=0.0,
+        help="sigma of that lognormal (default: 0, every rollout waits --latency)",
+    )
+    ap.add_argument(
         "--max-bias",
         type=float,
         default=0.02,
@@ -159,6 +174,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         warmup=args.warmup,
         seed=args.seed,
         engine=engine,
+        latency=args.latency,
+        latency_sigma=args.latency_sigma,
     )
     pols = (
         [parse_policy(x, args.tasks, args.group) for x in args.policies.split(";") if x.strip()]
@@ -168,6 +185,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(
         f"{args.preset}: {args.tasks} tasks x {args.group}, T = {T:.3g} s, one batch at full "
         f"throughput ({engine.full_throughput:,.0f} tokens/s) = {gen:.3g} s"
+        + (
+            f", verifier latency lognormal(median {args.latency:g} s, sigma {args.latency_sigma:g})"
+            if args.latency
+            else ""
+        )
     )
     head = (
         f"{'policy':<28} {'fraction':>8} {'samples':>8} {'tr idle':>7} {'en idle':>7} "

@@ -20,6 +20,10 @@ event (a completion, a trainer step ending) to the next.
   cost of running them (threads, packing, Python), which is what the benchmark
   measures. The simulated engine never fails, so ``max_attempts`` never comes into
   play, and rollout timeouts are not modelled: a config with a ``timeout`` is refused.
+* The verifier: a rollout whose generation ended is scored after a latency drawn per
+  rollout (lognormal with median ``latency`` and sigma ``latency_sigma``, both 0 by
+  default), during which it holds no engine slot; a sandbox or a tool-backed reward
+  model. The scheduler sees the rollout finish when its score is in.
 * The trainer: step ``k`` registers batches up to ``k + ahead`` (the prefetch),
   pushes weights version ``k`` when the served version is ``sync_every`` behind,
   hands over batch ``k``, waits until it can be consumed, then trains for ``T``
@@ -39,6 +43,7 @@ are compared in admitted samples per second beside their length bias.
 from __future__ import annotations
 
 import dataclasses
+import heapq
 import math
 from collections import defaultdict
 from collections.abc import Sequence
@@ -84,8 +89,14 @@ class Scenario:
     seed: int = 0
     quantum: int = 1  # lengths rounded up to a multiple of this
     engine: EngineConfig = field(default_factory=EngineConfig)
+    latency: float = 0.0  # median seconds from a rollout's last token to its score
+    latency_sigma: float = 0.0  # sigma of the lognormal verifier latency
 
     def __post_init__(self) -> None:
+        for name in ("latency", "latency_sigma"):
+            value = getattr(self, name)
+            if not (value >= 0 and math.isfinite(value)):
+                raise ValueError(f"{name}={value}: must be a finite number >= 0")
         if self.tasks < 1 or self.group < 1:
             raise ValueError(f"tasks={self.tasks} and group={self.group} must be >= 1")
         if not (self.T >= 0 and math.isfinite(self.T)):
@@ -102,6 +113,26 @@ class Scenario:
 
     def draws(self) -> LengthDraws:
         return LengthDraws(self.preset, self.seed, quantum=self.quantum)
+
+
+class _Latencies:
+    """Verifier seconds per ``(task, sample, attempt)``, seeded like the lengths: one
+    generator per ``(task, attempt)`` draws the whole group's latencies at once."""
+
+    def __init__(self, sc: Scenario, block: int) -> None:
+        self.median, self.sigma = sc.latency, sc.latency_sigma
+        self.seed, self.block = sc.seed, block
+        self._rows: dict[tuple[int, int], list[float]] = {}
+
+    def get(self, task: int, sample: int, attempt: int) -> float:
+        if self.median == 0.0:
+            return 0.0
+        row = self._rows.get((task, attempt))
+        if row is None:
+            rng = np.random.default_rng([self.seed, task, attempt, 1 << 20])
+            z = rng.normal(size=self.block)  # [block]
+            row = self._rows[(task, attempt)] = (self.median * np.exp(self.sigma * z)).tolist()
+        return row[sample]
 
 
 _MEAN_LENGTH: dict[LengthPreset, float] = {}
@@ -147,6 +178,10 @@ class _Run:
         self.served: int | None = None
         self.engine = EngineModel(sc.engine)
         self.draws = sc.draws()
+        self.latencies = _Latencies(sc, self.draws.block)
+        # rollouts generated and being scored: (time scored, tiebreak, key, version)
+        self.verifying: list[tuple[float, int, RolloutKey, int]] = []
+        self._tiebreak = 0
         # key -> (task, task id, length, truncated) of every started attempt
         self.info: dict[RolloutKey, tuple[Task, int, int, bool]] = {}
         self.ledgers: defaultdict[int, BatchLedger] = defaultdict(BatchLedger)
@@ -174,11 +209,35 @@ class _Run:
                 if out is not None and out[0]:  # a queued request had generated nothing
                     ledgers[info[key][1] // tasks].generated += out[0]
 
+    def _generated(self, key: RolloutKey, at: float, version: int) -> int | None:
+        """The engine finished ``key``: admit it, or queue it for its verifier; returns
+        the batch when it was admitted now."""
+        _, tid, length, _ = self.info[key]
+        self.ledgers[tid // self.sc.tasks].generated += length
+        latency = self.latencies.get(tid, key.sample, key.attempt)
+        if latency == 0.0:
+            return self._finished(key, at, version)
+        self._tiebreak += 1
+        heapq.heappush(self.verifying, (at + latency, self._tiebreak, key, version))
+        return None
+
+    def _next_event(self, t: float) -> tuple[bool, int | None]:
+        """Process the next completion or score at or before ``t``; ``(whether one
+        came, the batch of a rollout admitted by it)``. Without one, time moves to
+        ``t`` (or stays, for ``t = inf``)."""
+        scored = self.verifying[0][0] if self.verifying else math.inf
+        done = self.engine.next_until(min(t, scored))
+        if done is not None:
+            return True, self._generated(*done)
+        if scored <= t:  # the engine's clock stands at the score's time
+            at, _, key, version = heapq.heappop(self.verifying)
+            return True, self._finished(key, at, version)
+        return False, None
+
     def _finished(self, key: RolloutKey, at: float, version: int) -> int:
-        """Admit one completion; returns its batch."""
-        task, tid, length, truncated = self.info[key]
+        """Admit one scored rollout; returns its batch."""
+        task, tid, _, truncated = self.info[key]
         batch = tid // self.sc.tasks
-        self.ledgers[batch].generated += length
         call = self._calls.get((version, truncated))
         if call is None:  # calls are immutable: one per (version, finish) serves every rollout
             reason = "length" if truncated else "stop"
@@ -199,9 +258,12 @@ class _Run:
     def run_until(self, t: float, batch: int | None = None) -> None:
         """Process completions up to time ``t``, or until one in ``batch`` makes the
         oldest batch ready (``batch`` is the oldest: nothing else can make it ready)."""
-        engine, adm = self.engine, self.adm
-        while (done := engine.next_until(t)) is not None:
-            if self._finished(*done) == batch and adm.ready():
+        adm = self.adm
+        while True:
+            came, admitted = self._next_event(t)
+            if not came:
+                return
+            if admitted is not None and admitted == batch and adm.ready():
                 return
 
     def register_until(self, n: int) -> None:
@@ -227,7 +289,7 @@ class _Run:
             return consumed[0] is not None
 
         while not try_consume():
-            if engine.next_completion() is None:
+            if engine.next_completion() is None and not self.verifying:
                 raise RuntimeError(f"step {k}: the batch can never complete (nothing running)")
             self.run_until(math.inf, batch=k)
         ready = engine.now
