@@ -14,15 +14,22 @@ Both run on one :class:`RolloutServer` (the demo's tiny model) behind a thin pro
 times every call inside the engine. For each N in ``--sessions``, N episodes start at once
 (N worker threads each side, an engine whose batch holds N) and the run ends when all have
 finished. Runs alternate (in process, gateway) ``--repeats`` times after one warm-up pair,
-so both see the same background load; figures are medians over the repeats.
+so both see the same background load; figures are medians over the repeats. Each
+gateway run first plays one untimed round of the same episodes on its fresh source (its
+connections, and in harness processes the client's first-call costs).
 
 Reported per side and N: rollout latency p50/p99 (start to result), sessions per second,
 call latency p50/p99 as the caller sees it (the harness times each ``create``; in process
 it is the engine's own time) and the engine's time per call; for the gateway also the
 overhead per call (client-seen call latency minus the engine's, p50), the CPU that the
 gateway's threads (its HTTP loop and its render/detokenize pool) spent per call, the CPU
-of the harness threads per call (the ``openai`` client: the agent's cost, not dew's), and
-the rollouts that did not complete (errors).
+of the harness per call (the ``openai`` client: the agent's cost, not dew's; its thread's
+``time.thread_time`` over the episode, wherever it ran), and the rollouts that did not
+complete (errors).
+
+``--processes K`` adds a third side: the same gateway episodes with the harness in ``K``
+harness processes (``HarnessSource(processes=K)``), so that the client's CPU leaves the
+interpreter lock of the process that runs the engine and the gateway.
 
 ``--write`` replaces the ``## gateway`` section of bench/RESULTS.md and the summary rows;
 ``--tiny`` is a seconds-long smoke run that writes nothing.
@@ -39,7 +46,7 @@ import threading
 import time
 from collections.abc import Callable, Hashable, Iterable
 from concurrent.futures import Future
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -131,16 +138,17 @@ class Episode:
         return 0.0
 
 
-@dataclass
+@dataclass(frozen=True)
 class Harness:
-    """The gateway side: the same episode as an ``openai`` client program."""
+    """The gateway side: the same episode as an ``openai`` client program. It returns
+    what it measured (each call's seconds, its own thread's CPU seconds), so that it
+    can run in a harness process as well as on the source's threads."""
 
     turns: int
     max_tokens: int
-    call_seconds: list[float] = field(default_factory=list)
-    lock: threading.Lock = field(default_factory=threading.Lock)
 
-    def __call__(self, task: Task, endpoint: HarnessEndpoint) -> None:
+    def __call__(self, task: Task, endpoint: HarnessEndpoint) -> dict[str, Any]:
+        cpu = time.thread_time()
         digit = int(task.data["digit"])
         messages: list[dict[str, str]] = [{"role": "user", "content": f"digit {digit}"}]
         timings = []
@@ -158,17 +166,21 @@ class Harness:
                         {"role": "assistant", "content": reply},
                         {"role": "tool", "tool_call_id": "next_digit", "content": f"digit {digit}"},
                     ]
-        with self.lock:
-            self.call_seconds += timings
-
-    def take(self) -> list[float]:
-        with self.lock:
-            out, self.call_seconds = self.call_seconds, []
-        return out
+        return {"calls": timings, "cpu": time.thread_time() - cpu}
 
 
-def zero(task: Task, outcome: HarnessOutcome) -> float:
-    return 0.0
+class Measured:
+    """The verifier: scores 0 and keeps what each harness run measured."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.values: list[dict[str, Any]] = []
+
+    def __call__(self, task: Task, outcome: HarnessOutcome) -> float:
+        if isinstance(outcome.value, dict):
+            with self.lock:
+                self.values.append(outcome.value)
+        return 0.0
 
 
 def thread_cpu(prefixes: tuple[str, ...]) -> dict[int, float]:
@@ -207,7 +219,7 @@ class Run:
     engine: list[float]  # per call inside the engine, seconds
     errors: int
     gateway_cpu: float = 0.0  # seconds, gateway threads
-    harness_cpu: float = 0.0  # seconds, harness threads
+    harness_cpu: float = 0.0  # seconds, the harness's own thread CPU
 
     def figures(self) -> dict[str, float]:
         n_calls = max(1, len(self.engine))
@@ -267,9 +279,11 @@ def in_process(engine: TimedEngine, tasks: list[Task], turns: int, max_tokens: i
     return Run(latency, wall, seconds, seconds, errors)
 
 
-def through_gateway(engine: TimedEngine, tasks: list[Task], turns: int, max_tokens: int) -> Run:
+def through_gateway(
+    engine: TimedEngine, tasks: list[Task], turns: int, max_tokens: int, processes: int = 0
+) -> Run:
     tok = make_tokenizer()
-    harness = Harness(turns, max_tokens)
+    measured = Measured()
     with (
         RecordingGateway(
             engine,
@@ -279,20 +293,27 @@ def through_gateway(engine: TimedEngine, tasks: list[Task], turns: int, max_toke
             sampling=SamplingParams(max_tokens=max_tokens, temperature=1.0),
             workers=max(4, 2 * len(tasks)),
         ) as gateway,
-        HarnessSource(gateway, harness, zero, workers=len(tasks)) as source,
+        HarnessSource(
+            gateway, Harness(turns, max_tokens), measured, workers=len(tasks), processes=processes
+        ) as source,
     ):
+        # One untimed round first: each worker thread's connection (and, with processes,
+        # each process's first-call costs: openai builds its request types lazily).
+        run_sessions(source.start, tasks)
         engine.take()
-        gw0, h0 = thread_cpu(("dew-gateway",)), thread_cpu(("HarnessSource",))
+        with measured.lock:
+            measured.values.clear()
+        gw0 = thread_cpu(("dew-gateway",))
         latency, wall, errors = run_sessions(source.start, tasks)
-        gw1, h1 = thread_cpu(("dew-gateway",)), thread_cpu(("HarnessSource",))
+        gw1 = thread_cpu(("dew-gateway",))
     return Run(
         latency,
         wall,
-        harness.take(),
+        [c for v in measured.values for c in v["calls"]],
         engine.take(),
         errors,
         gateway_cpu=spent(gw0, gw1),
-        harness_cpu=spent(h0, h1),
+        harness_cpu=sum(v["cpu"] for v in measured.values),
     )
 
 
@@ -317,17 +338,28 @@ def make_tasks(n: int, offset: int) -> list[Task]:
 
 
 def measure(
-    engine: TimedEngine, sessions: int, turns: int, max_tokens: int, repeats: int
+    engine: TimedEngine,
+    sessions: int,
+    turns: int,
+    max_tokens: int,
+    repeats: int,
+    processes: int = 0,
 ) -> dict[str, dict[str, float]]:
     tasks = make_tasks(sessions, 0)
     # Warm-up: first-call costs (imports, connections, the engine's first shapes).
     in_process(engine, tasks, turns, max_tokens)
     through_gateway(engine, tasks, turns, max_tokens)
     runs: dict[str, list[dict[str, float]]] = {"in process": [], "gateway": []}
+    with_processes = f"gateway, {processes} harness process" + ("es" if processes > 1 else "")
+    if processes:
+        runs[with_processes] = []
     for r in range(repeats):
         tasks = make_tasks(sessions, r + 1)
         runs["in process"].append(in_process(engine, tasks, turns, max_tokens).figures())
         runs["gateway"].append(through_gateway(engine, tasks, turns, max_tokens).figures())
+        if processes:
+            run = through_gateway(engine, tasks, turns, max_tokens, processes)
+            runs[with_processes].append(run.figures())
     return {
         side: {k: statistics.median(f[k] for f in figs) for k in figs[0]}
         for side, figs in runs.items()
@@ -343,7 +375,7 @@ def table(results: dict[int, dict[str, dict[str, float]]]) -> str:
     ]
     for n, sides in results.items():
         for side, f in sides.items():
-            gw = side == "gateway"
+            gw = side.startswith("gateway")
             rows.append(
                 f"| {n} | {side} | {1e3 * f['latency_p50']:.0f} | {1e3 * f['latency_p99']:.0f} "
                 f"| {f['sessions_per_s']:.1f} | {1e3 * f['call_p50']:.1f} "
@@ -362,11 +394,16 @@ def table(results: dict[int, dict[str, dict[str, float]]]) -> str:
 def ratios(results: dict[int, dict[str, dict[str, float]]]) -> str:
     lines = []
     for n, sides in results.items():
-        g, p = sides["gateway"], sides["in process"]
-        lines.append(
-            f"- N={n}: rollout p50 through the gateway {g['latency_p50'] / p['latency_p50']:.2f}x "
-            f"in process; sessions/s {g['sessions_per_s'] / p['sessions_per_s']:.2f}x"
-        )
+        p = sides["in process"]
+        for side, g in sides.items():
+            if side == "in process":
+                continue
+            how = "" if side == "gateway" else f" ({side.split(', ', 1)[1]})"
+            lines.append(
+                f"- N={n}: rollout p50 through the gateway{how} "
+                f"{g['latency_p50'] / p['latency_p50']:.2f}x in process; sessions/s "
+                f"{g['sessions_per_s'] / p['sessions_per_s']:.2f}x"
+            )
     return "\n".join(lines)
 
 
@@ -376,6 +413,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--turns", type=int, default=2, help="model calls per episode")
     ap.add_argument("--max-tokens", type=int, default=4)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument(
+        "--processes",
+        type=int,
+        default=0,
+        help="also run the gateway side with the harness in this many processes",
+    )
     ap.add_argument("--write", action="store_true", help="update bench/RESULTS.md")
     ap.add_argument("--tiny", action="store_true", help="a smoke run: 4 sessions, 1 repeat")
     args = ap.parse_args(argv)
@@ -390,13 +433,17 @@ def main(argv: list[str] | None = None) -> int:
     for n in sessions:
         # An engine sized for N: a batch of N in flight, as the demo sizes its own.
         with RolloutServer(built_off_main(make_model), max_batch=n, seed=0) as server:
-            results[n] = measure(TimedEngine(server), n, args.turns, args.max_tokens, repeats)
+            results[n] = measure(
+                TimedEngine(server), n, args.turns, args.max_tokens, repeats, args.processes
+            )
         print(table({n: results[n]}), flush=True)
     print(ratios(results))
     if args.write and not args.tiny:
         command = (
             f"python bench/gateway.py --sessions {args.sessions} --turns {args.turns} "
-            f"--max-tokens {args.max_tokens} --repeats {repeats} --write"
+            f"--max-tokens {args.max_tokens} --repeats {repeats}"
+            + (f" --processes {args.processes}" if args.processes else "")
+            + " --write"
         )
         text = "\n".join(
             [

@@ -89,6 +89,10 @@ EFFECT_TESTS: dict[Callable[..., Any], dict[str, str]] = {
         "env": f"{HARNESS}::test_subprocess_environment",
         "cwd": CWD,
         "max_output_bytes": CWD,
+        "processes": (
+            "gateway/test_harness_processes.py::"
+            "test_runs_go_to_the_processes_and_come_back_recorded"
+        ),
     },
     fit: {
         "run_dir": f"{FIT}::test_a_failed_write_leaves_the_previous_checkpoint_whole",

@@ -46,6 +46,11 @@ def test_next_digit_and_score():
     assert score(3, []) == {"format": 0.0, "copy": 0.0}
 
 
+def test_a_subprocess_agent_takes_no_processes(server):
+    with pytest.raises(ValueError, match="processes=2"):
+        build_agent_source(server, TOK, tasks=8, subprocess=True, processes=2)
+
+
 def test_tasks_are_keyed_by_the_trainers_task_ids():
     tasks = make_tasks(50, seed=3)
     assert list(tasks) == [str(i) for i in range(50)]
@@ -56,10 +61,14 @@ def test_tasks_are_keyed_by_the_trainers_task_ids():
 
 
 @pytest.mark.timeout(180)
-@pytest.mark.parametrize("subprocess", [False, True])
-def test_episodes_record_one_chain_each_and_are_scored(server, subprocess):
-    demo = build_agent_source(server, TOK, tasks=8, max_tokens=3, workers=4, subprocess=subprocess)
+@pytest.mark.parametrize(("subprocess", "processes"), [(False, 0), (True, 0), (False, 1)])
+def test_episodes_record_one_chain_each_and_are_scored(server, subprocess, processes):
+    demo = build_agent_source(
+        server, TOK, tasks=8, max_tokens=3, workers=4, subprocess=subprocess, processes=processes
+    )
     try:
+        if processes:  # the agent runs over there
+            assert len(demo.source._procs.pids()) == processes  # type: ignore[union-attr]
         n = 2 if subprocess else 4
         sessions = [demo.source.start(Task(str(i)), RolloutKey(0, i, 0)) for i in range(n)]
         rollouts = [s.result(WAIT) for s in sessions]

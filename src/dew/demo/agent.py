@@ -6,7 +6,8 @@ there). This module holds what training it needs: the task list, the verifier, a
 engine and returns a :class:`HarnessSource` that runs the agent once per rollout.
 
 By default the agent runs in-process on the source's worker threads (its ``solve``
-function with an ``openai`` client the source hands it); ``subprocess=True`` runs
+function with an ``openai`` client the source hands it); ``processes=N`` runs that same
+function in N long-lived harness processes; ``subprocess=True`` runs
 the very same program as ``python -m dew.demo.agent_script``, which is how a harness
 of any language is trained. A subprocess costs about a second of interpreter and
 ``openai`` start-up per rollout, too slow for a CPU demo of many rollouts a step.
@@ -118,12 +119,18 @@ class AgentDemo:
             self.gateway.close()
 
 
-def _in_process(max_tokens: int) -> Callable[[Task, HarnessEndpoint], dict[str, Any]]:
-    def harness(task: Task, endpoint: HarnessEndpoint) -> dict[str, Any]:
-        with endpoint.client(max_retries=0) as client:
-            return solve(client, endpoint.model, int(task.data["digit"]), max_tokens=max_tokens)
+@dataclass(frozen=True)
+class _Agent:
+    """The agent's ``solve`` as a callable harness (a class, so it pickles for
+    ``processes``)."""
 
-    return harness
+    max_tokens: int
+
+    def __call__(self, task: Task, endpoint: HarnessEndpoint) -> dict[str, Any]:
+        with endpoint.client(max_retries=0) as client:
+            return solve(
+                client, endpoint.model, int(task.data["digit"]), max_tokens=self.max_tokens
+            )
 
 
 def build_agent_source(
@@ -136,6 +143,7 @@ def build_agent_source(
     temperature: float = 1.0,
     workers: int = 16,
     subprocess: bool = False,
+    processes: int = 0,
     timeout: float | None = None,
 ) -> AgentDemo:
     """Start a gateway in front of ``server`` and a source that runs the demo agent.
@@ -143,10 +151,14 @@ def build_agent_source(
     ``tasks``: how many to make (ids ``"0"..``) or the tasks themselves. Every call is
     sampled at ``temperature`` (the gateway's, whatever the agent asks) and capped at
     ``max_tokens``; a session may make ``2 * TURNS`` calls. ``workers`` rollouts run
-    at once. The caller owns the result: close it.
+    at once. ``processes``: run the agent in that many harness processes (see
+    :class:`HarnessSource`) instead of on the source's threads. The caller owns the
+    result: close it.
     """
     if max_tokens < 1:
         raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
+    if subprocess and processes:
+        raise ValueError(f"processes={processes}: a subprocess agent runs in its own process")
     table = make_tasks(tasks, seed=seed) if isinstance(tasks, int) else dict(tasks)
     gateway = RecordingGateway(
         server,
@@ -158,9 +170,7 @@ def build_agent_source(
     ).start()
     try:
         harness: Any = (
-            [sys.executable, "-m", "dew.demo.agent_script"]
-            if subprocess
-            else _in_process(max_tokens)
+            [sys.executable, "-m", "dew.demo.agent_script"] if subprocess else _Agent(max_tokens)
         )
         source = HarnessSource(
             gateway,
@@ -170,6 +180,7 @@ def build_agent_source(
             workers=workers,
             timeout=timeout,
             env={"DEW_MAX_TOKENS": str(max_tokens)},
+            processes=processes,
         )
     except BaseException:
         gateway.close()

@@ -60,6 +60,7 @@ from dew.core import (
     error_text,
     parse_reward,
 )
+from dew.gateway._workers import HarnessProcesses
 
 if TYPE_CHECKING:
     import openai
@@ -170,6 +171,7 @@ class _Run:
     halted: str | None = None  # why the watcher stopped the harness
     finished: bool = False
     proc: subprocess.Popen[bytes] | None = None
+    remote: Callable[[], None] | None = None  # stops a run in a harness process
 
 
 def _tail(f: IO[bytes], limit: int) -> str:
@@ -198,6 +200,12 @@ class HarnessSource(ThreadedSource):
     clock (then it is stopped and TRUNCATED with ``"wall_clock"``); ``grace`` is how
     long a stopped subprocess has between SIGTERM and SIGKILL. ``env`` adds
     variables to a subprocess's environment, ``cwd`` sets its directory.
+    ``processes``: run a callable harness in that many long-lived processes of its
+    own instead of on the source's threads (0, the default), so that the ``openai``
+    client's CPU does not share this process's interpreter lock with the engine, the
+    gateway and the trainer; the harness and what it returns must then be picklable,
+    and a process that dies turns its runs into ``INFRA_ERROR`` (it is started again
+    for the next run).
     """
 
     def __init__(
@@ -213,7 +221,15 @@ class HarnessSource(ThreadedSource):
         env: Mapping[str, str] | None = None,
         cwd: str | None = None,
         max_output_bytes: int = 1 << 20,
+        processes: int = 0,
     ) -> None:
+        if isinstance(processes, bool) or not isinstance(processes, int) or processes < 0:
+            raise ValueError(f"processes must be an int >= 0, got {processes!r}")
+        if processes and not callable(harness):
+            raise ValueError(
+                f"processes={processes}: only a callable harness runs in harness processes "
+                "(a command already runs in a process of its own)"
+            )
         if not callable(harness):
             if isinstance(harness, (str, bytes)) or not isinstance(harness, Sequence):
                 raise ValueError(
@@ -231,12 +247,18 @@ class HarnessSource(ThreadedSource):
             raise ValueError(f"timeout must be positive and finite or None, got {timeout}")
         if max_output_bytes < 0:
             raise ValueError(f"max_output_bytes must be >= 0, got {max_output_bytes}")
-        if callable(harness):
+        if callable(harness) and not processes:
             # A callable harness talks through ``openai``: import it now, once, rather
             # than in the first rollouts, where every worker would wait on the import
             # lock for the second it takes.
             import openai  # noqa: F401
-        super().__init__(workers=workers)
+        self._procs = HarnessProcesses(harness, processes, grace=grace) if processes else None
+        try:
+            super().__init__(workers=workers)
+        except BaseException:
+            if self._procs is not None:
+                self._procs.close()
+            raise
         self.gateway = gateway
         self.harness = harness if callable(harness) else list(harness)
         self.verifier = verifier
@@ -285,14 +307,16 @@ class HarnessSource(ThreadedSource):
         for w in wakes:
             w.set()
         super().close()
+        if self._procs is not None:  # after the runs: none is waiting on a process
+            self._procs.close()
         with self._wake_lock:
             clients, self._http_clients = self._http_clients, []
         for http in clients:
             http.shutdown()
 
     def _http_client(self) -> Any:
-        """This worker thread's HTTP client (``None`` for a subprocess harness)."""
-        if not callable(self.harness):
+        """This worker thread's HTTP client (``None`` when the harness runs elsewhere)."""
+        if not callable(self.harness) or self._procs is not None:
             return None
         http = getattr(self._http, "client", None)
         if http is None:
@@ -368,8 +392,10 @@ class HarnessSource(ThreadedSource):
             state.halted = (
                 "cancelled" if (stop.is_set() or self._closing or woken) else "wall_clock"
             )
-            proc = state.proc
+            proc, remote = state.proc, state.remote
         state.halt.set()
+        if remote is not None:
+            remote()  # the harness process sets the run's endpoint.stop
         try:
             self.gateway.abort(token)
         except ValueError:
@@ -383,9 +409,35 @@ class HarnessSource(ThreadedSource):
         self, task: Task, endpoint: HarnessEndpoint, state: _Run
     ) -> tuple[HarnessOutcome | None, bool]:
         """Run the harness; returns (outcome without calls, whether it ever started)."""
+        if self._procs is not None:
+            return self._remote(task, endpoint, state)
         if callable(self.harness):
             return self._call(task, endpoint, state)
         return self._spawn(task, endpoint, state)
+
+    def _remote(
+        self, task: Task, endpoint: HarnessEndpoint, state: _Run
+    ) -> tuple[HarnessOutcome | None, bool]:
+        assert self._procs is not None
+        with state.lock:
+            if state.halted:
+                return None, False
+            try:
+                run = self._procs.submit(task, endpoint.base_url, endpoint.api_key, endpoint.model)
+            except RuntimeError:  # closed: the source is closing
+                return None, False
+            state.remote = run.stop
+        # Like a callable on this thread, a run is waited for until it returns; a stop
+        # reaches it through the watcher, and a process that dies answers "died".
+        kind, payload = run.future.result()
+        if kind == "value":
+            return HarnessOutcome(task, (), value=payload), True
+        if kind == "exit":
+            error = None if payload == 0 else f"harness exited with status {payload!r}"
+            return HarnessOutcome(task, (), returncode=payload, error=error), True
+        if kind == "raised":
+            return HarnessOutcome(task, (), error=f"harness raised {payload}"), True
+        return HarnessOutcome(task, (), error=payload), False  # died: infrastructure
 
     def _call(
         self, task: Task, endpoint: HarnessEndpoint, state: _Run
