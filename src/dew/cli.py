@@ -31,6 +31,7 @@ def _demo(args: argparse.Namespace) -> int:
             "batch_size",
             "max_tokens",
             "engines",
+            "harness_processes",
             "tensor",
         )
         if getattr(args, name) is not None
@@ -98,6 +99,13 @@ def parser() -> argparse.ArgumentParser:
         default=None,
         help="serve rollouts from a fleet of N local `dew serve` processes (default: one "
         "engine in this process)",
+    )
+    demo.add_argument(
+        "--harness-processes",
+        type=int,
+        default=None,
+        help="agent task: run the agent in N harness processes (default: on the source's "
+        "threads in this process)",
     )
     demo.add_argument(
         "--tensor",

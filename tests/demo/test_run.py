@@ -93,6 +93,30 @@ def test_engines_must_be_a_count() -> None:
             DemoConfig(engines=bad)  # type: ignore[arg-type]
 
 
+@pytest.mark.timeout(300)
+def test_harness_processes_run_the_agent_demo_in_processes_of_its_own() -> None:
+    import os
+
+    from dew.core import RolloutKey, Status, Task
+    from dew.demo.model import make_model, make_tokenizer
+    from dew.demo.run import TASKS, DemoConfig
+    from dew.serving import RolloutServer
+
+    for bad in (-1, True, 1.5):
+        with pytest.raises(ValueError, match=r"harness_processes=.* must be an int >= 0"):
+            DemoConfig(harness_processes=bad)  # type: ignore[arg-type]
+    config = DemoConfig.for_task("agent", harness_processes=2)
+    with RolloutServer(make_model(max_positions=config.positions), max_batch=8) as server:
+        parts = TASKS["agent"](config, server, make_tokenizer())
+        try:
+            pids = parts.source._procs.pids()  # type: ignore[attr-defined]
+            assert len(pids) == 2 and os.getpid() not in pids
+            rollout = parts.source.start(Task("0"), RolloutKey(0, 0, 0)).result(120)
+        finally:
+            parts.close()
+    assert rollout.status is Status.COMPLETED and len(rollout.calls) == 2
+
+
 def test_a_tensor_axis_needs_torchrun(tmp_path: Path) -> None:
     from dew.demo.run import DemoConfig, DemoError, run_demo
 

@@ -89,6 +89,8 @@ class DemoConfig:
     checkpoint_every: int = 20
     tasks: int = 4096  # rows of the task dataset
     engines: int = 0  # 0: the in-process engine; N: a fleet of N local `dew serve` processes
+    # agent task: 0 runs the agent on the source's threads, N in N harness processes
+    harness_processes: int = 0
     tensor: int = 1  # under torchrun: processes per tensor-parallel group (the rest is data)
     # Seconds a rollout attempt may run before it is cancelled and retried (the library's
     # default, None, would let a hung source block the trainer forever).
@@ -107,6 +109,12 @@ class DemoConfig:
             raise ValueError(f"tasks={self.tasks} must be >= batch_size={self.batch_size}")
         if isinstance(self.engines, bool) or not isinstance(self.engines, int) or self.engines < 0:
             raise ValueError(f"engines={self.engines!r} must be an int >= 0")
+        if (
+            isinstance(self.harness_processes, bool)
+            or not isinstance(self.harness_processes, int)
+            or self.harness_processes < 0
+        ):
+            raise ValueError(f"harness_processes={self.harness_processes!r} must be an int >= 0")
         if isinstance(self.tensor, bool) or not isinstance(self.tensor, int) or self.tensor < 1:
             raise ValueError(f"tensor={self.tensor!r} must be an int >= 1")
         from dew.demo.model import ARCHS, SIZES
@@ -251,6 +259,7 @@ def _agent(config: DemoConfig, server: Any, tokenizer: Any) -> TaskParts:
         max_tokens=config.max_tokens,
         temperature=config.temperature,
         workers=_workers(config),
+        processes=config.harness_processes,
     )
     return TaskParts(demo.source, demo.max_chain, demo.close)
 
