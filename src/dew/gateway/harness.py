@@ -30,7 +30,10 @@ when it stops a harness it aborts the session (so in-flight generation stops and
 further requests get 410), sets ``endpoint.stop``, and for a subprocess sends
 SIGTERM to its process group, then SIGKILL after ``grace`` seconds. A callable
 harness cannot be killed: it is expected to return once its requests fail, and the
-run waits for it.
+run waits for it. With ``processes=N`` a callable harness runs in one of N harness
+processes (:mod:`dew.gateway._workers`); the watcher's stop reaches it there as a
+message that sets its ``endpoint.stop``, and the run waits for its answer, which a
+process that dies gives too.
 """
 
 from __future__ import annotations
