@@ -26,12 +26,14 @@ def test_source_statuses_versions_and_cancel():
         assert r.completion_tokens == 20 and r.calls[0].version == 3
         assert r.calls[0].finish_reason == "length"
 
-    # One slot, so the second request queues behind the first and starts after a push.
+    # One slot. The first request was queued before the push, so it is served at the old
+    # version (a push first fills the slots freed before it), however soon it finishes;
+    # the second, sent after the push, at the new one. No timing decides it.
     engine = EngineConfig(max_active=1)
     with SimulatedEngineSource(LengthDraws(FLAT), scale=1e-3, engine=engine) as source:
         first = source.start(Task("1"), RolloutKey(1, 0, 0))
-        second = source.start(Task("1"), RolloutKey(1, 1, 0))
         source.load(None, 1)
+        second = source.start(Task("1"), RolloutKey(1, 1, 0))
         ends: list[Status] = []
         seen = threading.Event()
         second.add_done_callback(lambda s: (ends.append(s.result().status), seen.set()))
