@@ -528,8 +528,7 @@ def _assemble_support(
     """``support`` and ``support_offsets``; ``order`` and ``lengths`` as in :func:`_assemble`.
 
     Support ids fill each row of ``support`` from slot 0 in placement order, as tokens
-    fill the batch's rows: the chains' ids sorted by first support slot are each row's
-    ids end to end, written into rows of -1 one slice per row.
+    fill the batch's rows; the slots after a row's last id hold -1.
     """
     rows, width, cap = space.rows, space.width, space.cap
     assert cap is not None
@@ -547,15 +546,14 @@ def _assemble_support(
     )
     offsets = np.zeros((rows, width + 1), dtype=np.int64)  # [rows, width + 1]
     np.cumsum(per_token.reshape(rows, width), axis=1, out=offsets[:, 1:])
-    support = np.full((rows, cap), -1, dtype=np.int64)  # [rows, cap]
-    sorder = np.argsort(np.asarray(placed.support_flat, dtype=np.int64), kind="stable")
-    ids = [placed.support_ids[i] for i in sorder.tolist()]
-    if ids:
-        all_ids = np.concatenate(ids)  # row after row
-        used = cap - space.sroom  # [rows] ids in each row
-        at = 0
-        for r in np.flatnonzero(used).tolist():
-            k = int(used[r])
-            support[r, :k] = all_ids[at : at + k]
-            at += k
+    # Each chain's ids go straight to their slots (row * cap + first slot), and only the
+    # slots left over are set to -1: the buffer is large (rows x width x top-k ids), and
+    # filling it first, or joining the ids before copying them, each cost a pass over it.
+    support = np.empty((rows, cap), dtype=np.int64)  # [rows, cap]
+    flat_support = support.reshape(-1)
+    for at, chain_ids in zip(placed.support_flat, placed.support_ids, strict=True):
+        flat_support[at : at + len(chain_ids)] = chain_ids
+    used = (cap - space.sroom).tolist()  # [rows] ids in each row, from slot 0
+    for r in range(rows):
+        support[r, used[r] :] = -1
     return {"support": support, "support_offsets": offsets}
