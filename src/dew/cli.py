@@ -104,8 +104,8 @@ def parser() -> argparse.ArgumentParser:
         "--harness-processes",
         type=int,
         default=None,
-        help="agent task: run the agent in N harness processes (default: on the source's "
-        "threads in this process)",
+        help="agent task: run the agent in N harness processes (the task's default: 1; "
+        "0 runs it on the source's threads in this process)",
     )
     demo.add_argument(
         "--tensor",
