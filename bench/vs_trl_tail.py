@@ -63,6 +63,11 @@ THRESHOLDS = {"tail": 0.15, "tail-turns": 0.15}
 # Targets of the comparison (ratios of seconds to the threshold, medians).
 TARGETS = {"tail": 2.0, "tail-turns": 3.0}
 SYNC_TARGET = 1.8
+# The policy `dew plan` recommends for the tail workload on this bench's machine:
+# `dew plan --preset tail --tasks 8 --group 8 --T 0.15 --a 0.000396 --b 1.02e-05
+# --latency 0.05 --latency-sigma 0.6` (a and b from bench/plan_fit.py, T a synchronous
+# run's train seconds; bench/RESULTS.md, "vs trl: heavy-tailed workload: profile").
+PLANNED = "2,os=2"
 
 
 @dataclass(frozen=True)
@@ -240,7 +245,11 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--tasks", default="tail,tail-turns", help="comma-separated tasks")
     ap.add_argument("--seeds", default="0,1,2", help="comma-separated seeds, one run each")
-    ap.add_argument("--policy", default="1", help="dew's policy: ahead[,os=N] (default 1)")
+    ap.add_argument(
+        "--policy",
+        default=PLANNED,
+        help=f"dew's policy: ahead[,os=N] (default {PLANNED}, what dew plan recommends here)",
+    )
     ap.add_argument("--fleet", type=int, default=2, help="engine processes of the fleet run")
     ap.add_argument("--save", default=None, help="folder to keep every run's result in")
     ap.add_argument("--load", default=None, help="render the results saved in this folder")
