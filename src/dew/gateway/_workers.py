@@ -44,6 +44,7 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 from dew.core import Task
+from dew.gateway._endpoint import HarnessEndpoint, shared_http
 
 __all__ = ["HarnessProcesses", "RemoteRun"]
 
@@ -209,8 +210,6 @@ class HarnessProcesses:
 
 
 def _process_main(conn: Connection, harness_bytes: bytes) -> None:
-    from dew.gateway.harness import HarnessEndpoint, _shared_http
-
     harness = pickle.loads(harness_bytes)
     import openai  # noqa: F401  (once here, not under the first runs' import lock)
 
@@ -229,7 +228,7 @@ def _process_main(conn: Connection, harness_bytes: bytes) -> None:
     def one(rid: int, task: Task, base_url: str, api_key: str, model: str) -> None:
         http = getattr(local, "client", None)
         if http is None:
-            http = local.client = _shared_http()
+            http = local.client = shared_http()
             with lock:
                 clients.append(http)
         with lock:

@@ -63,60 +63,15 @@ from dew.core import (
     error_text,
     parse_reward,
 )
+from dew.gateway._endpoint import HarnessEndpoint, shared_http
 from dew.gateway._workers import HarnessProcesses
 
 if TYPE_CHECKING:
-    import openai
-
     from dew.gateway.recording import RecordingGateway
 
 __all__ = ["Harness", "HarnessEndpoint", "HarnessOutcome", "HarnessSource", "HarnessVerifier"]
 
 _TASK_ENV_LIMIT = 64 << 10
-
-
-@dataclass(frozen=True)
-class HarnessEndpoint:
-    """Where a callable harness sends its requests, and its stop signal."""
-
-    base_url: str
-    api_key: str
-    model: str
-    stop: threading.Event
-    http_client: Any = field(default=None, repr=False)  # shared by the source's runs
-
-    def client(self, **kwargs: Any) -> openai.OpenAI:
-        """An ``openai.OpenAI`` client for this session (keyword arguments pass through).
-
-        It sends through the connections of the worker thread running the harness,
-        kept open from one rollout to the next (an HTTP client of its own would cost
-        ~0.1 s of CPU, mostly TLS setup, and a new connection); closing it leaves them
-        open.
-        """
-        import openai
-
-        if self.http_client is not None:
-            kwargs.setdefault("http_client", self.http_client)
-        return openai.OpenAI(base_url=self.base_url, api_key=self.api_key, **kwargs)
-
-
-def _shared_http() -> Any:
-    import httpx
-
-    class SharedClient(httpx.Client):
-        """A pool many short-lived openai clients use; only its owner really closes it."""
-
-        def close(self) -> None:
-            pass  # an openai client's close() must not end everyone's pool
-
-        def shutdown(self) -> None:
-            super().close()
-
-    from dew.gateway._transport import LoopbackTransport
-
-    # The gateway speaks plain HTTP: no certificate store to load, and a transport
-    # that writes each request whole (see _transport).
-    return SharedClient(transport=LoopbackTransport())
 
 
 @dataclass(frozen=True)
@@ -323,7 +278,7 @@ class HarnessSource(ThreadedSource):
             return None
         http = getattr(self._http, "client", None)
         if http is None:
-            http = self._http.client = _shared_http()
+            http = self._http.client = shared_http()
             with self._wake_lock:
                 self._http_clients.append(http)
         return http
