@@ -340,6 +340,11 @@ def run_scheduler(
     returns, in simulated seconds; ``log`` receives the scheduler's record of every step.
     """
     config = policy_for(policy, scenario)
+    if scenario.latency:
+        raise ValueError(
+            f"latency={scenario.latency}: the simulated engine source scores at once; "
+            "only the planner models a verifier latency"
+        )
     if config.timeout is not None:
         config = dataclasses.replace(config, timeout=config.timeout * scale)
     draws = scenario.draws()
