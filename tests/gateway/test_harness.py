@@ -8,130 +8,18 @@ import sys
 import textwrap
 import threading
 import time
-from collections.abc import Hashable, Iterator
-from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
 import openai
 import pytest
 
-from dew.core import Aborted, Call, RolloutKey, SamplingParams, Status, Task
-from dew.demo.model import make_model, make_tokenizer
+from dew.core import Aborted, RolloutKey, Status, Task
 from dew.gateway import HarnessEndpoint, HarnessOutcome, HarnessSource, RecordingGateway
 from dew.objectives.rl.chains import chains
-from dew.serving import RolloutServer
 
-TOK = make_tokenizer()
-WAIT = 60.0  # seconds; every wait is on an event or a result, bounded by this
-TASK = Task("3", {"question": "What is 1+2?", "answer": "3"})
-
-
-class Spy:
-    """The real server; counts requests entering it and keeps what it returned or raised."""
-
-    def __init__(self, server: RolloutServer) -> None:
-        self.server = server
-        self.calls: list[Call] = []
-        self.errors: list[BaseException] = []
-        self.cond = threading.Condition()
-        self.entered = 0
-
-    @property
-    def version(self) -> int:
-        return self.server.version
-
-    @property
-    def max_len(self) -> int:
-        return self.server.max_len
-
-    def submit(
-        self,
-        prompt: Any,
-        params: SamplingParams,
-        *,
-        stop: threading.Event | None = None,
-        affinity: Hashable | None = None,
-    ) -> Future[Call]:
-        with self.cond:
-            self.entered += 1
-            self.cond.notify_all()
-        try:
-            future = self.server.submit(prompt, params, stop=stop, affinity=affinity)
-        except BaseException as exc:
-            self._failed(exc)
-            raise
-        future.add_done_callback(self._done)
-        return future
-
-    def abort(self, future: Future[Call]) -> None:
-        self.server.abort(future)
-
-    def generate(
-        self,
-        prompt: Any,
-        params: SamplingParams,
-        *,
-        stop: threading.Event | None = None,
-        affinity: Hashable | None = None,
-    ) -> Call:
-        return self.submit(prompt, params, stop=stop, affinity=affinity).result()
-
-    def _done(self, future: Future[Call]) -> None:
-        exc = future.exception()
-        if exc is not None:
-            self._failed(exc)
-            return
-        with self.cond:
-            self.calls.append(future.result())
-
-    def _failed(self, exc: BaseException) -> None:
-        with self.cond:
-            self.errors.append(exc)
-            self.cond.notify_all()
-
-    def wait_entered(self, n: int) -> bool:
-        with self.cond:
-            return self.cond.wait_for(lambda: self.entered >= n, WAIT)
-
-    def wait_errors(self, n: int) -> bool:
-        with self.cond:
-            return self.cond.wait_for(lambda: len(self.errors) >= n, WAIT)
-
-
-@pytest.fixture(scope="module")
-def server() -> Iterator[RolloutServer]:
-    with RolloutServer(make_model(max_positions=256), max_batch=16) as s:
-        yield s
-
-
-@pytest.fixture
-def spy(server: RolloutServer) -> Spy:
-    return Spy(server)
-
-
-@pytest.fixture
-def gateway(spy: Spy) -> Iterator[RecordingGateway]:
-    with RecordingGateway(spy, TOK, sampling=SamplingParams(max_tokens=200), max_turns=4) as gw:
-        yield gw
-
-
-def ask(endpoint: HarnessEndpoint, turns: int, max_tokens: int = 3) -> str:
-    with endpoint.client(max_retries=0) as c:
-        messages = [{"role": "user", "content": "q"}]
-        reply = ""
-        for _ in range(turns):
-            r = c.chat.completions.create(
-                model=endpoint.model, messages=messages, max_tokens=max_tokens
-            )
-            reply = r.choices[0].message.content
-            messages += [{"role": "assistant", "content": reply}, {"role": "user", "content": "+"}]
-        return reply
-
-
-def length_verifier(task: Task, outcome: HarnessOutcome) -> float:
-    return float(len(outcome.calls))
-
+from ._harnesses import ask
+from ._live import TASK, TOK, WAIT, length_verifier
 
 KEY = RolloutKey(0, 0, 0)
 

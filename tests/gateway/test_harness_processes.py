@@ -7,34 +7,14 @@ import os
 import signal
 import sys
 import types
-from collections.abc import Iterator
 
 import pytest
 
-from dew.core import RolloutKey, SamplingParams, Status, Task
-from dew.demo.model import make_model
-from dew.gateway import HarnessOutcome, HarnessSource, RecordingGateway
-from dew.serving import RolloutServer
+from dew.core import RolloutKey, Status, Task
+from dew.gateway import HarnessOutcome, HarnessSource
 
 from . import _harnesses as h
-from .test_harness import TASK, TOK, WAIT, Spy, length_verifier
-
-
-@pytest.fixture(scope="module")
-def server() -> Iterator[RolloutServer]:
-    with RolloutServer(make_model(max_positions=256), max_batch=16) as s:
-        yield s
-
-
-@pytest.fixture
-def spy(server: RolloutServer) -> Spy:
-    return Spy(server)
-
-
-@pytest.fixture
-def gateway(spy: Spy) -> Iterator[RecordingGateway]:
-    with RecordingGateway(spy, TOK, sampling=SamplingParams(max_tokens=200), max_turns=4) as gw:
-        yield gw
+from ._live import TASK, TOK, WAIT, length_verifier
 
 
 def _alive(pid: int) -> bool:
