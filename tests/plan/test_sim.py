@@ -104,5 +104,5 @@ def test_a_rollout_that_cannot_be_built_raises_from_its_session():
 def test_a_verifier_latency_is_refused_by_the_simulated_run():
     p = LengthPreset("tiny", math.log(40), 0.3, 0.5, 60)
     sc = Scenario(p, tasks=2, group=2, T=0.5, steps=2, warmup=1, latency=0.1)
-    with pytest.raises(ValueError, match="latency=0.1: the simulated engine source"):
+    with pytest.raises(ValueError, match=r"latency=0\.1: the simulated engine source"):
         run_scheduler(SchedulerConfig.tight(ahead=1), sc, scale=0.01)
