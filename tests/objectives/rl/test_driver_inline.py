@@ -6,7 +6,7 @@ its way (a resubmission that resolves at once, a cancel that resolves the sessio
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from dew.core import Call, Rollout, RolloutKey, Session, Status, Task
-from dew.objectives.rl.scheduler import RolloutScheduler
+from dew.objectives.rl.scheduler import RolloutScheduler, SchedulerRecord
 
 from .conftest import WAIT, RecordingPublisher, task_dataset
 
@@ -102,11 +102,11 @@ class _Publisher(RecordingPublisher):
         self.source.version = version
 
 
-def test_finishes_caused_by_a_timeout_are_handled_without_another_event() -> None:
-    source = FirstAttemptHangs()
-    scheduler = RolloutScheduler(
+def _scheduler(source: FirstAttemptHangs | FirstAttemptLags, **knobs: Any) -> RolloutScheduler:
+    """No model, one rollout per group, no running ahead: the driver is what is tested."""
+    return RolloutScheduler(
         ZeroObjective(),  # type: ignore[arg-type]
-        source,
+        source,  # type: ignore[arg-type]
         _Publisher(source),
         width=16,
         rows=4,
@@ -114,20 +114,29 @@ def test_finishes_caused_by_a_timeout_are_handled_without_another_event() -> Non
         estimator=raw_reward,
         ahead=0,
         max_lag=0,
-        timeout=0.2,
-        max_attempts=3,
+        **knobs,
     )
+
+
+def _each_call(scheduler: RolloutScheduler, calls: int) -> Iterator[SchedulerRecord]:
+    """Call the scheduler ``calls`` times from one other thread; each call's record."""
+    stream = scheduler.tasks(task_dataset(n=8, batch_size=2)).stream()
+    with ThreadPoolExecutor(1) as pool:
+        for updates in range(calls):
+            batch = next(stream)
+            pool.submit(scheduler, None, batch, updates=updates).result(timeout=WAIT)
+            yield scheduler.history[-1]
+
+
+def test_finishes_caused_by_a_timeout_are_handled_without_another_event() -> None:
+    source = FirstAttemptHangs()
+    scheduler = _scheduler(source, timeout=0.2, max_attempts=3)
     try:
-        stream = scheduler.tasks(task_dataset(n=8, batch_size=2)).stream()
-        with ThreadPoolExecutor(1) as pool:
-            for updates in range(2):
-                batch = next(stream)
-                # Each first attempt times out on the driver thread; its cancel resolves
-                # the session there and the resubmission is done inside start: nothing
-                # else will post an event, so only the driver's own queue can end the call.
-                pool.submit(scheduler, None, batch, updates=updates).result(timeout=WAIT)
-                record = scheduler.history[-1]
-                assert record.groups == 2 and dict(record.resubmitted) == {"timeout": 2}
+        # Each first attempt times out on the driver thread; its cancel resolves the
+        # session there and the resubmission is done inside start: nothing else will
+        # post an event, so only the driver's own queue can end the call.
+        for record in _each_call(scheduler, 2):
+            assert record.groups == 2 and dict(record.resubmitted) == {"timeout": 2}
         assert source.threads == {"dew-scheduler"}
         assert {k.attempt for k in source.started} == {0, 1}
     finally:
@@ -159,27 +168,11 @@ def test_a_resubmission_at_consumption_that_resolves_at_once_is_handled() -> Non
     # when the batch is consumed, their resubmissions resolve inside start, and the
     # driver must take those finishes before it waits for anything else.
     source = FirstAttemptLags()
-    publisher = _Publisher(source)  # type: ignore[arg-type]
-    scheduler = RolloutScheduler(
-        ZeroObjective(),  # type: ignore[arg-type]
-        source,
-        publisher,
-        width=16,
-        rows=4,
-        groups=1,
-        estimator=raw_reward,
-        ahead=0,
-        max_lag=0,
-    )
+    scheduler = _scheduler(source)
     try:
-        stream = scheduler.tasks(task_dataset(n=8, batch_size=2)).stream()
-        with ThreadPoolExecutor(1) as pool:
-            for updates in range(3):
-                batch = next(stream)
-                pool.submit(scheduler, None, batch, updates=updates).result(timeout=WAIT)
-                record = scheduler.history[-1]
-                stale = 2 if updates else 0  # at update 0 the lagging version is still 0
-                assert record.groups == 2 and record.resubmitted.get("stale", 0) == stale
-                assert record.version == updates
+        for updates, record in enumerate(_each_call(scheduler, 3)):
+            stale = 2 if updates else 0  # at update 0 the lagging version is still 0
+            assert record.groups == 2 and record.resubmitted.get("stale", 0) == stale
+            assert record.version == updates
     finally:
         scheduler.close()
