@@ -19,11 +19,14 @@ TASK = Task("3", {"question": "What is 1+2?", "answer": "3"})
 
 
 class Spy:
-    """The real server; counts requests entering it and keeps what it returned or raised."""
+    """The real server; counts requests entering it and keeps what they asked for and
+    what it returned or raised, for the test to compare against."""
 
     def __init__(self, server: RolloutServer) -> None:
         self.server = server
         self.calls: list[Call] = []
+        self.params: list[SamplingParams] = []
+        self.affinities: list[Hashable | None] = []
         self.errors: list[BaseException] = []
         self.cond = threading.Condition()
         self.entered = 0
@@ -46,6 +49,8 @@ class Spy:
     ) -> Future[Call]:
         with self.cond:
             self.entered += 1
+            self.params.append(params)
+            self.affinities.append(affinity)
             self.cond.notify_all()
         try:
             future = self.server.submit(prompt, params, stop=stop, affinity=affinity)
@@ -81,13 +86,13 @@ class Spy:
             self.errors.append(exc)
             self.cond.notify_all()
 
-    def wait_entered(self, n: int) -> bool:
+    def wait_entered(self, n: int, timeout: float = WAIT) -> bool:
         with self.cond:
-            return self.cond.wait_for(lambda: self.entered >= n, WAIT)
+            return self.cond.wait_for(lambda: self.entered >= n, timeout)
 
-    def wait_errors(self, n: int) -> bool:
+    def wait_errors(self, n: int, timeout: float = WAIT) -> bool:
         with self.cond:
-            return self.cond.wait_for(lambda: len(self.errors) >= n, WAIT)
+            return self.cond.wait_for(lambda: len(self.errors) >= n, timeout)
 
 
 def length_verifier(task: Task, outcome: HarnessOutcome) -> float:

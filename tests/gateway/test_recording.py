@@ -5,8 +5,7 @@ from __future__ import annotations
 import json
 import socket
 import threading
-from collections.abc import Hashable, Iterator
-from concurrent.futures import Future
+from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -26,74 +25,6 @@ EOS = TOK.eos_token_id
 WAIT = 30.0  # seconds; every wait here is on an event, bounded by this
 
 
-class Spy:
-    """The real server, plus what it returned and raised, for the test to compare against."""
-
-    def __init__(self, server: RolloutServer) -> None:
-        self.server = server
-        self.calls: list[Call] = []
-        self.params: list[SamplingParams] = []
-        self.affinities: list[Hashable | None] = []
-        self.errors: list[BaseException] = []
-        self.entered = threading.Event()
-        self.failed = threading.Event()
-        self._lock = threading.Lock()
-
-    @property
-    def version(self) -> int:
-        return self.server.version
-
-    @property
-    def max_len(self) -> int:
-        return self.server.max_len
-
-    def submit(
-        self,
-        prompt: Any,
-        params: SamplingParams,
-        *,
-        stop: threading.Event | None = None,
-        affinity: Hashable | None = None,
-    ) -> Future[Call]:
-        with self._lock:
-            self.params.append(params)
-            self.affinities.append(affinity)
-        self.entered.set()
-        try:
-            future = self.server.submit(prompt, params, stop=stop, affinity=affinity)
-        except BaseException as exc:
-            self._failed(exc)
-            raise
-        future.add_done_callback(self._done)
-        return future
-
-    def abort(self, future: Future[Call]) -> None:
-        self.server.abort(future)
-
-    def generate(
-        self,
-        prompt: Any,
-        params: SamplingParams,
-        *,
-        stop: threading.Event | None = None,
-        affinity: Hashable | None = None,
-    ) -> Call:
-        return self.submit(prompt, params, stop=stop, affinity=affinity).result()
-
-    def _done(self, future: Future[Call]) -> None:
-        exc = future.exception()
-        if exc is not None:
-            self._failed(exc)
-            return
-        with self._lock:
-            self.calls.append(future.result())
-
-    def _failed(self, exc: BaseException) -> None:
-        with self._lock:
-            self.errors.append(exc)
-        self.failed.set()
-
-
 @pytest.fixture(scope="module")
 def model() -> Any:
     return make_model(max_positions=256, seed=1)
@@ -103,11 +34,6 @@ def model() -> Any:
 def server(model: Any) -> Iterator[RolloutServer]:
     with RolloutServer(model, max_batch=16, seed=0) as s:
         yield s
-
-
-@pytest.fixture
-def spy(server: RolloutServer) -> Spy:
-    return Spy(server)
 
 
 @contextmanager
@@ -423,11 +349,11 @@ def test_cancel_mid_stream_aborts_the_generation_and_records_nothing(spy):
             events = iter(stream)
             opening = next(events)
             assert opening.choices[0].delta.role == "assistant"
-            assert spy.entered.wait(WAIT)
+            assert spy.wait_entered(1, WAIT)
             rec = gw.close_session(token)
             with pytest.raises(openai.APIError, match="closed"):
                 list(events)
-        assert spy.failed.wait(WAIT)
+        assert spy.wait_errors(1, WAIT)
     assert isinstance(spy.errors[0], Aborted)
     assert rec.calls == () and not spy.calls
 
@@ -445,8 +371,8 @@ def test_a_client_that_disconnects_aborts_its_generation(spy):
         # A raw socket: send the request, and hang up while it is being generated.
         with socket.create_connection(("127.0.0.1", gw.port), timeout=WAIT) as sock:
             sock.sendall(request)
-            assert spy.entered.wait(WAIT)
-        assert spy.failed.wait(WAIT)
+            assert spy.wait_entered(1, WAIT)
+        assert spy.wait_errors(1, WAIT)
         assert isinstance(spy.errors[0], Aborted)
         assert gw.close_session(token).calls == ()
 
@@ -468,7 +394,7 @@ def test_closing_the_gateway_aborts_in_flight_work(spy):
 
     worker = threading.Thread(target=ask)
     worker.start()
-    assert spy.entered.wait(WAIT)
+    assert spy.wait_entered(1, WAIT)
     gw.close()
     worker.join(WAIT)
     assert not worker.is_alive() and len(errors) == 1
