@@ -3,9 +3,11 @@ of bench/RESULTS.md while keeping every other section as it is."""
 
 from __future__ import annotations
 
+import datetime
 import os
 import platform
 import re
+import sys
 from pathlib import Path
 
 RESULTS = Path(__file__).resolve().parent / "RESULTS.md"
@@ -31,6 +33,22 @@ def machine(*extra: str) -> str:
         *extra,
     ]
     return ", ".join(parts)
+
+
+def command_line(script: str) -> str:
+    """The command that started this run, as it would be typed in the repository root."""
+    return " ".join([".venv/bin/python", f"bench/{script}", *sys.argv[1:]])
+
+
+def run_lines(script: str, seconds: float, *versions: str) -> str:
+    """A section's ``- command``, ``- machine`` and ``- date`` lines (with the wall time
+    and the load at the end, since these machines are shared)."""
+    return (
+        f"- command: `{command_line(script)}`\n"
+        f"- machine: {machine(*versions)}\n"
+        f"- date: {datetime.date.today().isoformat()}, wall time {seconds:.0f} s, "
+        f"1-minute load average at the end {os.getloadavg()[0]:.1f}\n"
+    )
 
 
 def write_section(text: str, path: Path = RESULTS) -> None:

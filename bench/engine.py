@@ -52,7 +52,7 @@ import transformers
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/_results.py
 import _results
-from _results import machine, write_section, write_summary_row
+from _results import command_line, machine, write_section, write_summary_row
 from dew.core import SamplingParams
 from dew.demo.model import make_model
 from dew.serving import RolloutServer
@@ -391,7 +391,7 @@ def main() -> None:
     print()
     print(lat)
     if args.write:
-        command = " ".join([".venv/bin/python", "bench/engine.py", *sys.argv[1:]])
+        command = command_line("engine.py")
         host = machine(
             f"torch {torch.__version__} ({torch.get_num_threads()} threads)",
             f"transformers {transformers.__version__}",

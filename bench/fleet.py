@@ -68,7 +68,7 @@ import transformers
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/_results.py
 import _results
-from _results import machine, write_section, write_summary_row
+from _results import command_line, machine, write_section, write_summary_row
 from dew.serving.http_engine import HTTPEngine
 from dew.serving.weights import BroadcastGroup, tensor_specs, write_weights
 
@@ -455,7 +455,7 @@ def main() -> None:
     print(f"\nwall time {wall:.0f} s", file=sys.stderr)
     if not args.write:
         return
-    command = " ".join([".venv/bin/python", "bench/fleet.py", *sys.argv[1:]])
+    command = command_line("fleet.py")
     host = machine(
         f"torch {torch.__version__} ({torch.get_num_threads()} threads here)",
         f"transformers {transformers.__version__}",

@@ -28,7 +28,6 @@ summary rows; ``--tiny`` runs every part for a few steps on one seed and writes 
 from __future__ import annotations
 
 import argparse
-import datetime
 import os
 import statistics
 import subprocess
@@ -43,7 +42,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/_results.py, _vs_trl_*.py
 import _results
-from _results import machine, write_section, write_summary_row
+from _results import run_lines, write_section, write_summary_row
 from _vs_trl_common import THRESHOLD, WINDOW, RunResult, RunSpec
 
 BENCH = Path(__file__).resolve().parent
@@ -375,19 +374,14 @@ def main() -> None:
     print(f"\nbench wall time: {elapsed:.0f} s ({_thread_text(args)})")
     if not args.write:
         return
-    command = " ".join([".venv/bin/python", "bench/vs_trl.py", *sys.argv[1:]])
-    host = machine(
+    lines = run_lines(
+        "vs_trl.py",
+        elapsed,
         f"torch {version('torch')} ({_thread_text(args)})",
         f"transformers {version('transformers')}",
         f"trl {version('trl')}",
     )
-    write_section(
-        f"## vs trl\n\n{method(args)}\n\n"
-        f"- command: `{command}`\n"
-        f"- machine: {host}\n"
-        f"- date: {datetime.date.today().isoformat()}, wall time {elapsed:.0f} s, "
-        f"1-minute load average at the end {os.getloadavg()[0]:.1f}\n\n{body}"
-    )
+    write_section(f"## vs trl\n\n{method(args)}\n\n{lines}\n{body}")
     for row in single.rows + multi.rows:
         write_summary_row(*row)
     print(f"wrote the vs trl section of {RESULTS}")

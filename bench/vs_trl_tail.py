@@ -36,8 +36,6 @@ samples of at most 16 tokens) of everything once and writes nothing.
 from __future__ import annotations
 
 import argparse
-import datetime
-import os
 import statistics
 import sys
 import time
@@ -48,7 +46,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/_results.py, _vs_trl_*.py
 import _results
-from _results import machine, write_section, write_summary_row
+from _results import run_lines, write_section, write_summary_row
 from _vs_trl_common import WINDOW, RunResult, RunSpec
 from dew.demo.tail import Workload
 from vs_trl import median_reach, reach_cell, run_worker, speed_ratio
@@ -299,19 +297,16 @@ def main() -> None:
     print(f"\nbench wall time: {elapsed:.0f} s")
     if not args.write:
         return
-    command = " ".join([".venv/bin/python", "bench/vs_trl_tail.py", *sys.argv[1:]])
-    host = machine(
+    lines = run_lines(
+        "vs_trl_tail.py",
+        elapsed,
         f"torch {version('torch')} ({args.threads} torch threads per run)",
         f"transformers {version('transformers')}",
         f"trl {version('trl')}",
     )
     write_section(
         "## vs trl: heavy-tailed workload\n\n"
-        f"{__doc__.split(chr(10) + chr(10))[2]}\n\n"
-        f"- command: `{command}`\n"
-        f"- machine: {host}\n"
-        f"- date: {datetime.date.today().isoformat()}, wall time {elapsed:.0f} s, "
-        f"1-minute load average at the end {os.getloadavg()[0]:.1f}\n"
+        f"{__doc__.split(chr(10) + chr(10))[2]}\n\n{lines}"
         f"- threshold: the mean reward of the last {WINDOW} steps\n{text}"
     )
     for row in rows:
