@@ -20,12 +20,12 @@ raises, since the harness cannot be run there).
 Invariants:
 
 * every run :meth:`HarnessProcesses.submit` returns resolves exactly once: to the
-  process's answer, to ``("died", text)`` when its process exits first (the reader
-  thread sees the pipe close), or to ``("died", text)`` from :meth:`close`;
+  process's answer, or to ``("died", text)`` when its process exits first, also
+  when :meth:`close` stops it (the reader thread sees the pipe close);
 * one reader thread per process owns its pipe's receiving end; it fails the runs its
   process still owed once the pipe closes. :meth:`close` stops the processes
-  (``close`` message, then SIGKILL after ``grace`` seconds), joins them and joins
-  every reader ever started; a process that died is started again by the next
+  (``close`` message, then SIGKILL after ``grace`` seconds), joins them and every
+  reader not yet ended; a process that died is started again by the next
   :meth:`submit` that picks its slot;
 * a process whose parent is gone (its pipe closes) stops its runs and exits.
 """
@@ -76,7 +76,12 @@ class RemoteRun:
     """One run in a harness process: its answer, and how to ask it to stop."""
 
     future: Future[Answer]
-    stop: Callable[[], None]
+    proc: _Proc
+    rid: int
+
+    def stop(self) -> None:
+        """Have the process set the run's ``endpoint.stop`` (nothing once it is gone)."""
+        self.proc.send(("stop", self.rid))
 
 
 class HarnessProcesses:
@@ -102,7 +107,7 @@ class HarnessProcesses:
         self._lock = threading.Lock()  # guards the slots, every runs table and _closed
         self._closed = False
         self._next = 0
-        self._readers: list[threading.Thread] = []  # every reader ever started
+        self._readers: list[threading.Thread] = []
         with self._lock:
             self._slots = [self._start(i) for i in range(processes)]
         try:
@@ -136,7 +141,8 @@ class HarnessProcesses:
         p = _Proc(proc, ours)
         p.reader = threading.Thread(target=self._read, args=(p,), name=f"dew-harness-read-{index}")
         p.reader.start()
-        self._readers.append(p.reader)
+        # close() joins the readers not yet ended (an ended one needs no join).
+        self._readers = [t for t in self._readers if t.is_alive()] + [p.reader]
         return p
 
     def pids(self) -> list[int]:
@@ -159,7 +165,7 @@ class HarnessProcesses:
             p.runs[rid] = future
         if not p.send(("run", rid, task, base_url, api_key, model)):
             self._resolve(p, rid, ("died", "the harness process could not be reached"))
-        return RemoteRun(future, lambda: p.send(("stop", rid)) and None)
+        return RemoteRun(future, p, rid)
 
     def _resolve(self, p: _Proc, rid: int, answer: Answer) -> None:
         with self._lock:
