@@ -1,4 +1,5 @@
-"""What a callable harness is handed: its endpoint, and the HTTP client behind it.
+"""A callable harness's side of a run: its endpoint, the HTTP clients behind it, and
+running it to an answer.
 
 Shared by :mod:`dew.gateway.harness` (runs on the source's threads) and
 :mod:`dew.gateway._workers` (runs in harness processes).
@@ -7,13 +8,20 @@ Shared by :mod:`dew.gateway.harness` (runs on the source's threads) and
 from __future__ import annotations
 
 import threading
+import traceback
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     import openai
 
-__all__ = ["HarnessEndpoint", "shared_http"]
+__all__ = ["Answer", "HarnessEndpoint", "ThreadClients", "run_harness", "shared_http"]
+
+# How a run ended, as (kind, payload): ("value", what the harness returned), ("exit",
+# (status, the SystemExit code as written)), ("raised", its traceback's text), and, from
+# a harness process only, ("died", why).
+Answer = tuple[str, Any]
 
 
 @dataclass(frozen=True)
@@ -59,3 +67,38 @@ def shared_http() -> Any:
     # The gateway speaks plain HTTP: no certificate store to load, and a transport
     # that writes each request whole (see _transport).
     return SharedClient(transport=LoopbackTransport())
+
+
+class ThreadClients:
+    """One :func:`shared_http` client per thread that asks for one; :meth:`shutdown`
+    closes them all."""
+
+    def __init__(self) -> None:
+        self._local = threading.local()
+        self._lock = threading.Lock()
+        self._all: list[Any] = []
+
+    def get(self) -> Any:
+        http = getattr(self._local, "client", None)
+        if http is None:
+            http = self._local.client = shared_http()
+            with self._lock:
+                self._all.append(http)
+        return http
+
+    def shutdown(self) -> None:
+        with self._lock:
+            clients, self._all = self._all, []
+        for http in clients:
+            http.shutdown()
+
+
+def run_harness(harness: Callable[..., Any], task: Any, endpoint: HarnessEndpoint) -> Answer:
+    """Run a callable harness on this thread and say how it ended (see ``Answer``)."""
+    try:
+        return "value", harness(task, endpoint)
+    except SystemExit as exc:  # the harness quit: an exit status, not a crash of ours
+        code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+        return "exit", (code, repr(exc.code))
+    except Exception as exc:
+        return "raised", "".join(traceback.format_exception(exc))[-4000:]

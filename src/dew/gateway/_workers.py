@@ -10,9 +10,9 @@ from one run to the next.
 
 Messages (pickled over one pipe per process): the parent sends ``("run", rid, task,
 base_url, api_key, model)``, ``("stop", rid)`` and ``("close",)``; a process answers
-``("done", rid, kind, payload)`` once per run, ``kind`` being ``"value"`` (what the
-harness returned), ``"exit"`` (it raised ``SystemExit``: the exit code) or
-``"raised"`` (the traceback text; also when the value cannot be pickled back). A
+``("done", rid, kind, payload)`` once per run, ``(kind, payload)`` being the run's
+:data:`~dew.gateway._endpoint.Answer` (a value that cannot be pickled back is
+``"raised"``). A
 process first sends ``("ready",)`` once its imports are done and the harness is
 unpickled; the constructor waits for every process to say so (or to die: then it
 raises, since the harness cannot be run there).
@@ -36,7 +36,6 @@ import multiprocessing
 import pickle
 import threading
 import time
-import traceback
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -44,11 +43,9 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 from dew.core import Task
-from dew.gateway._endpoint import HarnessEndpoint, shared_http
+from dew.gateway._endpoint import Answer, HarnessEndpoint, ThreadClients, run_harness
 
 __all__ = ["HarnessProcesses", "RemoteRun"]
-
-Answer = tuple[str, Any]  # (kind, payload): see the module docstring
 
 
 @dataclass(eq=False)
@@ -221,9 +218,8 @@ def _process_main(conn: Connection, harness_bytes: bytes) -> None:
 
     conn.send(("ready",))
 
-    local = threading.local()
-    clients: list[Any] = []
-    lock = threading.Lock()  # guards stops and clients
+    clients = ThreadClients()
+    lock = threading.Lock()  # guards stops
     send_lock = threading.Lock()  # one message at a time on the pipe
     stops: dict[int, threading.Event] = {}
 
@@ -232,21 +228,11 @@ def _process_main(conn: Connection, harness_bytes: bytes) -> None:
             conn.send(message)
 
     def one(rid: int, task: Task, base_url: str, api_key: str, model: str) -> None:
-        http = getattr(local, "client", None)
-        if http is None:
-            http = local.client = shared_http()
-            with lock:
-                clients.append(http)
         with lock:
             stop = stops[rid]
-        endpoint = HarnessEndpoint(base_url, api_key, model, stop, http)
-        try:
-            answer: Answer = ("value", harness(task, endpoint))
-        except SystemExit as exc:
-            code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
-            answer = ("exit", code)
-        except Exception as exc:
-            answer = ("raised", "".join(traceback.format_exception(exc))[-4000:])
+        answer = run_harness(
+            harness, task, HarnessEndpoint(base_url, api_key, model, stop, clients.get())
+        )
         with lock:
             stops.pop(rid, None)
         try:
@@ -281,6 +267,5 @@ def _process_main(conn: Connection, harness_bytes: bytes) -> None:
             for event in stops.values():
                 event.set()
         pool.shutdown(wait=True)
-        for http in clients:
-            http.shutdown()
+        clients.shutdown()
         conn.close()

@@ -46,7 +46,6 @@ import subprocess
 import tempfile
 import threading
 import time
-import traceback
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import IO, TYPE_CHECKING, Any
@@ -63,7 +62,7 @@ from dew.core import (
     error_text,
     parse_reward,
 )
-from dew.gateway._endpoint import HarnessEndpoint, shared_http
+from dew.gateway._endpoint import Answer, HarnessEndpoint, ThreadClients, run_harness
 from dew.gateway._workers import HarnessProcesses
 
 if TYPE_CHECKING:
@@ -148,6 +147,20 @@ def _signal_group(proc: subprocess.Popen[bytes], sig: int) -> None:
         pass  # already gone
 
 
+def _outcome(task: Task, answer: Answer) -> tuple[HarnessOutcome, bool]:
+    """The outcome (without calls) of a callable harness's run, and whether it ran."""
+    kind, payload = answer
+    if kind == "value":
+        return HarnessOutcome(task, (), value=payload), True
+    if kind == "exit":
+        code, shown = payload
+        error = None if code == 0 else f"harness exited with status {shown}"
+        return HarnessOutcome(task, (), returncode=code, error=error), True
+    if kind == "raised":
+        return HarnessOutcome(task, (), error=f"harness raised {payload}"), True
+    return HarnessOutcome(task, (), error=payload), False  # its process died: infrastructure
+
+
 class HarnessSource(ThreadedSource):
     """Rollouts from an agent harness talking to a :class:`RecordingGateway`.
 
@@ -228,8 +241,7 @@ class HarnessSource(ThreadedSource):
         self.tasks = tasks
         # One HTTP client per worker thread, built on its first callable run and shut
         # down by close(): no lock or connection pool is shared by the sessions.
-        self._http = threading.local()
-        self._http_clients: list[Any] = []
+        self._http = ThreadClients()
         self._wake_lock = threading.Lock()
         self._wakes: dict[int, tuple[threading.Event, threading.Event]] = {}
         self._closing = False
@@ -267,21 +279,13 @@ class HarnessSource(ThreadedSource):
         super().close()
         if self._procs is not None:  # after the runs: none is waiting on a process
             self._procs.close()
-        with self._wake_lock:
-            clients, self._http_clients = self._http_clients, []
-        for http in clients:
-            http.shutdown()
+        self._http.shutdown()
 
     def _http_client(self) -> Any:
         """This worker thread's HTTP client (``None`` when the harness runs elsewhere)."""
         if not callable(self.harness) or self._procs is not None:
             return None
-        http = getattr(self._http, "client", None)
-        if http is None:
-            http = self._http.client = shared_http()
-            with self._wake_lock:
-                self._http_clients.append(http)
-        return http
+        return self._http.get()
 
     def _resolve(self, task: Task, key: RolloutKey) -> Task:
         if self.tasks is None:
@@ -387,15 +391,7 @@ class HarnessSource(ThreadedSource):
             state.remote = run.stop
         # Like a callable on this thread, a run is waited for until it returns; a stop
         # reaches it through the watcher, and a process that dies answers "died".
-        kind, payload = run.future.result()
-        if kind == "value":
-            return HarnessOutcome(task, (), value=payload), True
-        if kind == "exit":
-            error = None if payload == 0 else f"harness exited with status {payload!r}"
-            return HarnessOutcome(task, (), returncode=payload, error=error), True
-        if kind == "raised":
-            return HarnessOutcome(task, (), error=f"harness raised {payload}"), True
-        return HarnessOutcome(task, (), error=payload), False  # died: infrastructure
+        return _outcome(task, run.future.result())
 
     def _call(
         self, task: Task, endpoint: HarnessEndpoint, state: _Run
@@ -404,16 +400,7 @@ class HarnessSource(ThreadedSource):
             if state.halted:
                 return None, False
         assert callable(self.harness)
-        try:
-            value = self.harness(task, endpoint)
-        except SystemExit as exc:  # the harness quit: an exit status, not a crash of ours
-            code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
-            error = None if code == 0 else f"harness exited with status {exc.code!r}"
-            return HarnessOutcome(task, (), returncode=code, error=error), True
-        except Exception as exc:
-            text = "".join(traceback.format_exception(exc))[-4000:]
-            return HarnessOutcome(task, (), error=f"harness raised {text}"), True
-        return HarnessOutcome(task, (), value=value), True
+        return _outcome(task, run_harness(self.harness, task, endpoint))
 
     def _environment(self, task: Task, endpoint: HarnessEndpoint, task_file: str) -> dict[str, str]:
         env = {**os.environ, **self.env}
