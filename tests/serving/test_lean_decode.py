@@ -1,4 +1,4 @@
-"""The lean decode step computes what the model's own forward computes."""
+"""The lean decode step and the lean prefill compute what the model's own forward computes."""
 
 from __future__ import annotations
 
@@ -6,8 +6,10 @@ import pytest
 import torch
 
 from dew.demo.model import make_model
-from dew.serving._decode import lean_decode
+from dew.serving._decode import lean_forward
 from dew.serving._kv import ModelCall, SlotCache
+from dew.serving._prefix import Row, forward_extend
+from dew.serving._requests import Request
 
 from ._helpers import lively, prompts
 
@@ -57,5 +59,64 @@ def test_lean_decode_matches_the_model_forward(arch: str) -> None:
 def test_models_it_does_not_reproduce_are_left_to_their_own_forward() -> None:
     model = make_model("qwen2", "tiny", seed=0)
     model.config._attn_implementation = "eager"
-    assert lean_decode(model) is None
+    assert lean_forward(model) is None
     assert ModelCall(model).lean is None
+
+
+def _padded_prefill(
+    call: ModelCall, cache: SlotCache, seqs: list[list[int]], slots: list[int]
+) -> torch.Tensor:
+    """One left-padded forward of ``seqs`` (longest first) into ``slots``, as the
+    engine's admission runs it."""
+    width = len(seqs[0])
+    cache.reserve(max(slots) + 1, width)
+    lens = torch.tensor([len(s) for s in seqs])  # [k]
+    ids = torch.tensor([[0] * (width - len(s)) + s for s in seqs])  # [k, T]
+    col = torch.arange(width)
+    pad = (width - lens).unsqueeze(1)
+    positions = (col.unsqueeze(0) - pad).clamp(min=0)
+    allowed = (col.unsqueeze(1) >= col.unsqueeze(0)) & (col.unsqueeze(0) >= pad).unsqueeze(1)
+    allowed |= torch.eye(width, dtype=torch.bool)
+    cache.set_prefill(slots, lens.tolist(), width)
+    return call.prefill(ids, positions, lens, allowed.unsqueeze(1), cache)
+
+
+def _request(prompt: list[int]) -> Request:
+    return Request(prompt, 1, 0.0, None, None, frozenset(), None, False)
+
+
+def _same_cache(a: SlotCache, b: SlotCache, slots: int, columns: int) -> None:
+    for x, y in zip(a.keys + a.values, b.keys + b.values, strict=True):
+        x, y = x[:slots, :, :columns], y[:slots, :, :columns]
+        assert torch.allclose(x, y, atol=1e-5, rtol=1e-4), (x - y).abs().max()
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "llama"])
+def test_lean_prefill_matches_the_model_forward(arch: str) -> None:
+    """A ragged batch in one padded forward, then prompts that extend two of them
+    (their prefixes copied in first), then decode steps over all of it: the lean
+    paths give the model forward's logits and leave the same keys/values behind."""
+    model = lively(arch, 5)
+    vocab = model.config.vocab_size
+    batch = sorted(prompts(5, vocab, seed=7, low=2, high=15), key=len, reverse=True)
+    tails = prompts(2, vocab, seed=8, low=1, high=6)
+    longer = [batch[1] + tails[0], batch[3] + tails[1]]
+    calls = [ModelCall(model), ModelCall(model, lean=False)]
+    caches = [SlotCache(model.config.num_hidden_layers, 8, 64, torch.device("cpu")) for _ in calls]
+    span = max(len(p) for p in longer)
+    with torch.inference_mode():
+        slots = [4, 0, 2, 1, 3]
+        first = [_padded_prefill(c, m, batch, slots) for c, m in zip(calls, caches, strict=True)]
+        assert torch.allclose(first[0], first[1], atol=1e-4, rtol=1e-4)
+        _same_cache(*caches, slots=5, columns=len(batch[0]))
+        extended = []
+        for call, cache in zip(calls, caches, strict=True):
+            cache.reserve(7, span)
+            # slot 0 holds batch[1] and slot 1 holds batch[3]; rows go longest first
+            rows = [Row(_request(p), len(p) - len(t)) for p, t in zip(longer, tails, strict=True)]
+            order = sorted(range(2), key=lambda i: rows[i].new, reverse=True)
+            for slot, i in enumerate(order, start=5):
+                cache.move([i], [slot], rows[i].start)
+            extended.append(forward_extend(call, cache, [rows[i] for i in order], 5))
+        assert torch.allclose(extended[0], extended[1], atol=1e-4, rtol=1e-4)
+        _same_cache(*caches, slots=7, columns=span)

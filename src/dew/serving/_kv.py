@@ -38,7 +38,7 @@ from typing import Any
 import torch
 
 from dew._attention import ATTENTION_MASKS as MASKS
-from dew.serving._decode import lean_decode
+from dew.serving._decode import lean_forward
 
 __all__ = ["MASKS", "ModelCall", "SlotCache"]
 
@@ -188,8 +188,8 @@ class SlotCache:
 class ModelCall:
     """Calls a causal LM with our cache and mask under whatever keyword names its
     ``transformers`` version uses; returns float logits of the last position ``[b, V]``.
-    Decode steps take the lean path of :mod:`dew.serving._decode` where the model has
-    one (``lean=False``: always the model's own forward)."""
+    Decode steps and prefills take the lean paths of :mod:`dew.serving._decode` where
+    the model has them (``lean=False``: always the model's own forward)."""
 
     def __init__(self, model: torch.nn.Module, *, lean: bool = True) -> None:
         attn = getattr(model.config, "_attn_implementation", None) or "eager"
@@ -212,7 +212,7 @@ class ModelCall:
         self.mask = MASKS[attn]
         self.model = model
         self.dtype = next(model.parameters()).dtype
-        self.lean = lean_decode(model) if lean else None
+        self.lean = lean_forward(model) if lean else None
 
     def decode(
         self, ids: torch.Tensor, positions: torch.Tensor, allowed: torch.Tensor, cache: SlotCache
@@ -220,7 +220,24 @@ class ModelCall:
         """One decode step (``ids`` [n, 1]): the lean path when the model has one."""
         if self.lean is None:
             return self(ids, positions, allowed, cache)
-        return self.lean(ids, positions, self.mask(allowed, self.dtype), cache)
+        return self.lean.decode(ids, positions, self.mask(allowed, self.dtype), cache)
+
+    def prefill(
+        self,
+        ids: torch.Tensor,
+        positions: torch.Tensor,
+        lengths: torch.Tensor,
+        allowed: torch.Tensor,
+        cache: SlotCache,
+    ) -> torch.Tensor:
+        """A prefill of ``ids`` [k, T], row i left-padded to hold ``lengths[i]`` real
+        tokens: the lean path (projections over the real tokens only) where the model
+        has one."""
+        if self.lean is None:
+            return self(ids, positions, allowed, cache)
+        width = ids.shape[1]
+        real = torch.arange(width, device=ids.device) >= (width - lengths).unsqueeze(1)  # [k, T]
+        return self.lean.prefill(ids, positions, real, self.mask(allowed, self.dtype), cache)
 
     def __call__(
         self, ids: torch.Tensor, positions: torch.Tensor, allowed: torch.Tensor, cache: SlotCache

@@ -104,4 +104,4 @@ def forward_extend(call: ModelCall, cache: SlotCache, rows: list[Row], first: in
     key = torch.arange(span, device=device)  # [S]
     allowed = key <= positions.unsqueeze(2)  # [k, T, S] key column <= query position
     cache.set_extend(first, [r.start for r in rows], [len(t) for t in news], width, span)
-    return call(ids, positions, allowed.unsqueeze(1), cache)
+    return call.prefill(ids, positions, lens, allowed.unsqueeze(1), cache)

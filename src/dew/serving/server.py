@@ -502,7 +502,7 @@ class RolloutServer(Engine):
             width, dtype=torch.bool, device=self._device
         )  # [k, T, T]
         self._cache.set_prefill(slots, [len(s) for s in seqs], width)
-        return self._call(ids, positions, allowed.unsqueeze(1), self._cache)
+        return self._call.prefill(ids, positions, lens, allowed.unsqueeze(1), self._cache)
 
     def _prefill(self, joiners: list[Request]) -> None:
         """Admit ``joiners``: compute each distinct prompt once (from its resident prefix
