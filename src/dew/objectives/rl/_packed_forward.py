@@ -33,9 +33,11 @@ import numpy as np
 import torch
 
 from dew._attention import ATTENTION_MASKS, additive_mask, boolean_mask
+from dew.objectives.rl._chain_layout import Bucket, Costs, chain_buckets, find_chains
 
 __all__ = [
     "ATTENTION_MASKS",
+    "LAYOUTS",
     "additive_mask",
     "boolean_mask",
     "chain_attention",
@@ -192,20 +194,123 @@ def _check_shapes(batch: Mapping[str, np.ndarray | torch.Tensor]) -> tuple[int, 
     return rows, width
 
 
+# How packed_forward_log_probs lays the chains out for the model (see _chain_layout):
+# "auto" picks the cheaper under the cost model; "rows" and "chains" force one.
+LAYOUTS = ("auto", "rows", "chains")
+# "auto" leaves the one packed forward only for buckets the cost model finds at least
+# this much cheaper: the model is rough, and near a tie one call is the safer bet.
+_SAVING = 0.9
+
+
+def _numpy(value: np.ndarray | torch.Tensor) -> np.ndarray:
+    if isinstance(value, torch.Tensor):
+        return value.detach().cpu().numpy()
+    return np.asarray(value)
+
+
+def _sharded(param: torch.Tensor) -> bool:
+    """A parameter of a model laid out on a device mesh (FSDP2, tensor parallel)."""
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # a torch built without distributed support
+        return False
+    return isinstance(param, DTensor)
+
+
+def _chain_plan(
+    model: torch.nn.Module,
+    segments: np.ndarray,
+    positions: np.ndarray,
+    layout: str,
+) -> tuple[np.ndarray, np.ndarray, list[Bucket]] | None:
+    """The chains of the trimmed ``segments`` [kept, used] and their buckets, or None
+    for the packed rows."""
+    costs = Costs.of(getattr(model, "config", None))
+    chains = find_chains(segments, positions)
+    if costs is None or chains is None:
+        return None
+    starts, lengths = chains
+    buckets, cost = chain_buckets(lengths, costs)
+    kept, used = segments.shape
+    if layout == "auto" and cost > _SAVING * costs.block(kept, used):
+        return None
+    return starts, lengths, buckets
+
+
+def _chains_log_probs(
+    model: torch.nn.Module,
+    plan: tuple[np.ndarray, np.ndarray, list[Bucket]],
+    tokens: torch.Tensor,
+    segments: torch.Tensor,
+    *,
+    temperature: float,
+    support: torch.Tensor | None,
+    offsets: torch.Tensor | None,
+) -> torch.Tensor:
+    """[kept, used] log-probs with each chain scored alone in its bucket's rows.
+
+    ``tokens`` [kept, used] (padding already 0), ``segments`` [kept, used]. A bucket's
+    rows are right-padded chains with positions 0.. and no mask: causal attention keeps
+    every real token off the padding after it. Without support sets, each bucket's
+    log-probs are taken in its own layout and scattered back; with them, the logits are
+    scattered back into the packed layout, whose support offsets they then index.
+    """
+    starts, lengths, buckets = plan
+    kept, used = tokens.shape
+    device = tokens.device
+    flat_tokens = tokens.reshape(-1)
+    slots, values = [], []
+    for bucket in buckets:
+        n, span = len(bucket.chains), bucket.width
+        step = np.arange(span)
+        valid_np = step[None, :] < lengths[bucket.chains][:, None]  # [n, span]
+        index_np = np.where(valid_np, starts[bucket.chains][:, None] + step[None, :], 0)
+        index = torch.from_numpy(index_np).to(device)  # [n, span] flat slots
+        valid = torch.from_numpy(valid_np).to(device)  # [n, span]
+        ids = torch.where(valid, flat_tokens[index], torch.zeros_like(index))  # [n, span]
+        position_ids = torch.arange(span, device=device).expand(n, span)
+        logits = model(input_ids=ids, position_ids=position_ids, use_cache=False).logits
+        slots.append(index[valid])  # [real tokens of the bucket]
+        if support is None:
+            logp = token_log_probs(logits, ids, valid.long(), temperature=temperature)
+            values.append(logp[valid])  # [n, span] -> [real]
+        else:
+            values.append(logits[valid])  # [real, vocab]
+    slot = torch.cat(slots)
+    if support is None:
+        flat = torch.zeros(kept * used, dtype=torch.float32, device=device)
+        return flat.index_copy(0, slot, torch.cat(values)).view(kept, used)
+    vocab = values[0].shape[-1]
+    flat = torch.zeros(kept * used, vocab, dtype=values[0].dtype, device=device)
+    logits = flat.index_copy(0, slot, torch.cat(values)).view(kept, used, vocab)
+    return token_log_probs(
+        logits, tokens, segments, temperature=temperature, support=support, support_offsets=offsets
+    )
+
+
 def packed_forward_log_probs(
     model: torch.nn.Module,
     batch: Mapping[str, np.ndarray | torch.Tensor],
     *,
     temperature: float = 1.0,
+    layout: str = "auto",
 ) -> torch.Tensor:
-    """One forward of ``model`` over the packed rows -> [rows, width] float32 log-probs.
+    """The model's log-probs of the packed tokens -> [rows, width] float32.
 
     The forward covers only the rows that hold a token and the columns up to the last
     one any row uses (rounded up to ``_COLUMNS``): a fixed-shape batch of short chains
     is mostly padding, and padding changes no real token's result (attention never
     leaves a chain), so the trimmed forward gives the same log-probs at a fraction of
     the cost. The result keeps the batch's shape, with 0 where nothing was computed.
+
+    ``layout``: ``"rows"`` runs one forward over the packed rows with a block-diagonal
+    mask; ``"chains"`` runs each chain alone, in buckets of similar length (one forward
+    each, no mask; see :mod:`._chain_layout`); ``"auto"`` (the default) takes whichever
+    the cost model finds cheaper. A model sharded on a device mesh always takes the
+    rows: every process must make the same forward calls.
     """
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout={layout!r} is not one of {list(LAYOUTS)}")
     rows, width = _check_shapes(batch)
     param = next(model.parameters())
     device = param.device
@@ -237,26 +342,46 @@ def packed_forward_log_probs(
         segments, real = segments[keep, :used], real[keep, :used]
     # padding may carry any id/position; make them harmless for the embedding and rotary
     tokens_in = torch.where(real, tokens, torch.zeros_like(tokens))
-    positions_in = torch.where(real, positions, torch.zeros_like(positions))
-    dtype = getattr(model, "dtype", param.dtype)
-    mask = encode(chain_attention(segments), dtype)  # [kept, 1, used, used]
-    logits = model(
-        input_ids=tokens_in, attention_mask=mask, position_ids=positions_in, use_cache=False
-    ).logits  # [kept, used, vocab]
     support = offsets = None
     if "support" in batch:
         support = _as_tensor(batch["support"], device, torch.long)  # [rows, capacity]
         offsets = _as_tensor(batch["support_offsets"], device, torch.long)  # [rows, width + 1]
         if not whole:  # token t's ids sit between offsets t and t + 1: keep used + 1 of them
             support, offsets = support[keep], offsets[keep, : used + 1]
-    logp = token_log_probs(
-        logits,
-        tokens_in,
-        segments,
-        temperature=temperature,
-        support=support,
-        support_offsets=offsets,
-    )  # [kept, used]
+    plan = None
+    if layout != "rows" and len(columns) and not _sharded(param):
+        picked = keep.cpu().numpy()
+        plan = _chain_plan(
+            model,
+            _numpy(batch["segments"])[picked, :used],
+            _numpy(batch["positions"])[picked, :used],
+            layout,
+        )
+    if plan is not None:
+        logp = _chains_log_probs(
+            model,
+            plan,
+            tokens_in,
+            segments,
+            temperature=temperature,
+            support=support,
+            offsets=offsets,
+        )  # [kept, used]
+    else:
+        positions_in = torch.where(real, positions, torch.zeros_like(positions))
+        dtype = getattr(model, "dtype", param.dtype)
+        mask = encode(chain_attention(segments), dtype)  # [kept, 1, used, used]
+        logits = model(
+            input_ids=tokens_in, attention_mask=mask, position_ids=positions_in, use_cache=False
+        ).logits  # [kept, used, vocab]
+        logp = token_log_probs(
+            logits,
+            tokens_in,
+            segments,
+            temperature=temperature,
+            support=support,
+            support_offsets=offsets,
+        )  # [kept, used]
     if whole:
         return logp
     out = torch.zeros(rows, width, dtype=logp.dtype, device=device)
