@@ -61,6 +61,10 @@ EFFECT_TESTS: dict[Callable[..., Any], dict[str, str]] = {
         "temperature": KNOBS,
         "kl_coef": KL,
         "reference": KL,
+        "proximal": (
+            "objectives/rl/test_grpo_proximal.py::"
+            "test_a_scheduler_over_a_forward_objective_makes_no_rescoring_forward"
+        ),
     },
     ThreadedSource: {
         "workers": "objectives/rl/test_sessions.py::test_pool_is_bounded_by_workers",

@@ -84,6 +84,9 @@ class DemoConfig:
     truncation: str = _SCHEDULER.truncation  # type: ignore[assignment]
     estimator: str = _SCHEDULER.estimator  # type: ignore[assignment]
     clip_high: float | None = None  # DAPO's clip-higher: keeps exploration alive
+    # fit takes one update per batch, so the loss's own forward gives the proximal
+    # log-probs exactly and the rescoring forward is skipped (GRPOObjective's docstring).
+    proximal: str = "forward"
     digits: tuple[int, int] = (2, 4)  # single task: shortest and longest digit string
     stop_weight: float = 1.0  # single task: credit for stopping, in digit positions
     checkpoint_every: int = 20
@@ -458,7 +461,11 @@ def build_job(
     torch.manual_seed(config.seed)
     tokenizer = make_tokenizer()
     model = make_model(config.arch, config.size, seed=config.seed, max_positions=config.positions)
-    objective = GRPOObjective(temperature=config.temperature, clip_high=config.clip_high)
+    objective = GRPOObjective(
+        temperature=config.temperature,
+        clip_high=config.clip_high,
+        proximal=config.proximal,  # type: ignore[arg-type]
+    )
     rows = config.batch_size * config.group_size
     world = 1 if pool is None else pool.world
     dataset = Dataset(

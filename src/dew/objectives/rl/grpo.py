@@ -6,7 +6,8 @@ Three policies meet in one update:
   sources; possibly several weight versions old, possibly a different kernel);
 * *proximal*: the trainer's weights when the batch was handed over, rescored over the
   packed rows (``proximal_log_probs``, filled by the scheduler with
-  :meth:`GRPOObjective.packed_log_probs` under ``torch.no_grad()``);
+  :meth:`GRPOObjective.packed_log_probs` under ``torch.no_grad()``), or, with
+  ``proximal="forward"``, read off the loss's own forward (below);
 * *current* (``pi_theta``): the weights being optimized.
 
 The PPO trust region is taken around the proximal policy (ratio ``pi_theta /
@@ -30,12 +31,22 @@ Decisions worth knowing:
   k3 estimator ``r - 1 - log r``, ``r = pi_proximal / pi_behavior``: unbiased for
   tokens drawn from the behavior policy, never negative, 0 exactly when they agree.
 * Metrics over an empty set of trained tokens are 0 (``trained_tokens`` says so).
+* ``proximal="forward"`` skips the rescoring forward. When one optimizer update
+  consumes a batch (``fit``'s loop, micro-batches included), the weights the loss
+  runs under *are* the weights the batch was handed over with, so the loss's own
+  log-probs, detached, are the proximal log-probs: the same numbers, one forward
+  fewer. It is exact only then, so it is checked: the scheduler stamps the batch with
+  the process's count of optimizer steps (every ``torch.optim.Optimizer``'s, counted by
+  a step hook), fills ``proximal_log_probs`` with NaN so nothing mistakes them for
+  values, and the loss refuses a batch once an optimizer has stepped since (a second
+  update on one batch, as PPO epochs take, needs ``proximal="rescore"``, the default).
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Mapping
+from typing import Literal
 
 import numpy as np
 import torch
@@ -50,17 +61,49 @@ from dew.objectives.rl._packed_forward import (
 
 __all__ = [
     "ATTENTION_MASKS",
+    "PROXIMAL",
+    "PROXIMAL_STAMP",
     "GRPOObjective",
     "behavior_importance",
     "chain_attention",
     "decoupled_ppo_loss",
     "mismatch_kl",
+    "optimizer_steps",
     "reference_kl",
     "support_log_normalizer",
     "token_log_probs",
 ]
 
 _LOSS_KEYS = ("loss_mask", "advantages", "behavior_log_probs", "proximal_log_probs")
+
+# Where the proximal log-probs come from: a rescoring forward when the batch is handed
+# over, or the loss's own forward (see the module docstring).
+PROXIMAL = ("rescore", "forward")
+ProximalChoice = Literal["rescore", "forward"]
+# The batch key of a batch packed for proximal="forward": optimizer_steps() at handover.
+PROXIMAL_STAMP = "proximal_stamp"
+
+_steps = [0]  # optimizer steps counted by _count_step, once it is registered
+_step_hook: object = None
+
+
+def _count_step(optimizer: object, args: object, kwargs: object) -> None:
+    _steps[0] += 1
+
+
+def optimizer_steps() -> int:
+    """Optimizer steps this process has taken since the count began.
+
+    Every ``torch.optim.Optimizer`` counts (a global step post-hook, registered on the
+    first call and kept for the process's life): only differences between two reads
+    mean anything.
+    """
+    global _step_hook
+    if _step_hook is None:
+        from torch.optim.optimizer import register_optimizer_step_post_hook
+
+        _step_hook = register_optimizer_step_post_hook(_count_step)
+    return _steps[0]
 
 
 def behavior_importance(proximal: torch.Tensor, behavior: torch.Tensor, cap: float) -> torch.Tensor:
@@ -165,6 +208,9 @@ class GRPOObjective:
     the same distribution the engine drew from. ``kl_coef`` (0: off) adds that many
     times :func:`reference_kl` against the frozen ``reference`` model to every trained
     token's loss (metric ``kl_reference``: its mean over trained tokens).
+    ``proximal``: ``"rescore"`` (the scheduler rescores each handed-over batch) or
+    ``"forward"`` (the loss's own forward, detached, for one update per batch; see the
+    module docstring).
     """
 
     def __init__(
@@ -176,6 +222,7 @@ class GRPOObjective:
         temperature: float = 1.0,
         kl_coef: float = 0.0,
         reference: torch.nn.Module | None = None,
+        proximal: ProximalChoice = "rescore",
     ) -> None:
         self.clip = _positive("clip", clip)
         self.clip_high = None if clip_high is None else _positive("clip_high", clip_high)
@@ -191,12 +238,15 @@ class GRPOObjective:
             raise ValueError("kl_coef > 0 needs a reference model (reference=...)")
         self.kl_coef = float(kl_coef)
         self.reference = reference
+        if proximal not in PROXIMAL:
+            raise ValueError(f"proximal={proximal!r} is not one of {list(PROXIMAL)}")
+        self.proximal: ProximalChoice = proximal
 
     def __repr__(self) -> str:
         return (
             f"GRPOObjective(clip={self.clip}, clip_high={self.clip_high}, "
             f"importance_cap={self.importance_cap}, temperature={self.temperature}, "
-            f"kl_coef={self.kl_coef})"
+            f"kl_coef={self.kl_coef}, proximal={self.proximal!r})"
         )
 
     def packed_log_probs(
@@ -204,14 +254,49 @@ class GRPOObjective:
     ) -> torch.Tensor:
         """[rows, width] float32 log-probs of the packed tokens, on the model's device.
 
-        One forward over all rows with attention confined to each chain; differentiable
-        (wrap in ``torch.no_grad()`` to rescore).
+        Attention stays inside each chain: the rows run in one forward with a
+        block-diagonal mask, or the chains one per row in length buckets, whichever
+        costs less (the same numbers either way). Differentiable (wrap in
+        ``torch.no_grad()`` to rescore).
         """
         return packed_forward_log_probs(model, batch, temperature=self.temperature)
 
     def behavior_importance(self, proximal: torch.Tensor, behavior: torch.Tensor) -> torch.Tensor:
         """``exp(proximal - behavior)`` truncated at ``importance_cap``; same shape as inputs."""
         return behavior_importance(proximal, behavior, self.importance_cap)
+
+    def fill_proximal(self, model: torch.nn.Module, batch: dict[str, np.ndarray]) -> None:
+        """Set ``batch["proximal_log_probs"]`` for a batch handed over under ``model``.
+
+        ``"rescore"``: one no-grad forward. ``"forward"``: NaN, and the batch is stamped
+        (``PROXIMAL_STAMP``) for :meth:`loss` to check that no optimizer stepped since.
+        """
+        if self.proximal == "forward":
+            shape = np.shape(batch["tokens"])
+            batch["proximal_log_probs"] = np.full(shape, np.nan, dtype=np.float32)
+            batch[PROXIMAL_STAMP] = np.asarray(optimizer_steps(), dtype=np.int64)
+            return
+        with torch.no_grad():
+            proximal = self.packed_log_probs(model, batch)
+        batch["proximal_log_probs"] = proximal.detach().float().cpu().numpy()
+
+    def _proximal(self, logp: torch.Tensor, batch: Mapping[str, object]) -> torch.Tensor | None:
+        """The loss's proximal log-probs when they are its own forward's, else None."""
+        stamp = batch.get(PROXIMAL_STAMP)
+        if self.proximal == "rescore":
+            if stamp is not None:
+                raise ValueError(
+                    "batch was packed for proximal='forward' (its proximal_log_probs were "
+                    "never computed); this objective has proximal='rescore'"
+                )
+            return None
+        if stamp is not None and int(np.asarray(stamp)) != optimizer_steps():
+            raise ValueError(
+                "proximal='forward': an optimizer stepped since this batch was handed over, "
+                "so the loss's forward no longer runs under the proximal weights (a second "
+                "update on one batch needs GRPOObjective(proximal='rescore'))"
+            )
+        return logp.detach()
 
     def loss(
         self,
@@ -225,12 +310,14 @@ class GRPOObjective:
         The loss is the masked sum of per-token decoupled PPO terms divided by
         ``normalizer`` (default ``rows * width``).
         """
-        for key in _LOSS_KEYS:
+        needed = _LOSS_KEYS if self.proximal == "rescore" else _LOSS_KEYS[:-1]
+        for key in needed:
             if key not in batch:
-                raise ValueError(f"batch is missing {key!r}; the loss needs {list(_LOSS_KEYS)}")
+                raise ValueError(f"batch is missing {key!r}; the loss needs {list(needed)}")
         logp = self.packed_log_probs(model, batch)  # [rows, width]
+        own = self._proximal(logp, batch)  # [rows, width] or None: the batch's
         rows, width = logp.shape
-        for key in _LOSS_KEYS:
+        for key in needed:
             if tuple(batch[key].shape) != (rows, width):
                 raise ValueError(
                     f"batch[{key!r}] has shape {tuple(batch[key].shape)}, expected {(rows, width)}"
@@ -248,7 +335,7 @@ class GRPOObjective:
 
         per_token, stats = decoupled_ppo_loss(
             logp,
-            get("proximal_log_probs"),
+            get("proximal_log_probs") if own is None else own,
             get("behavior_log_probs"),
             get("advantages"),
             get("loss_mask"),

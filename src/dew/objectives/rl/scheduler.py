@@ -383,9 +383,13 @@ class RolloutScheduler:
         return out
 
     def _rescore(self, variables: Variables, out: Batch) -> None:
+        fill = getattr(self._objective, "fill_proximal", None)
+        if fill is not None:  # a GRPOObjective: rescores, or leaves it to the loss's forward
+            fill(variables, out)
+            return
         import torch
 
-        with torch.no_grad():
+        with torch.no_grad():  # any other objective with a packed scorer
             proximal = self._objective.packed_log_probs(variables, out)
         out["proximal_log_probs"] = proximal.detach().float().cpu().numpy()
 
