@@ -183,6 +183,6 @@ def test_a_group_larger_than_the_free_slots_is_served_across_admissions(
     for p, n, calls in zip(batch, [7, 2, 11], groups, strict=True):
         assert all(list(c.completion) == hf_greedy(qwen, p, n) for c in calls)
     # Samples admitted beside (or while) a sibling is active share its prompt; one
-    # admitted after all its siblings finished computes it again (nothing is kept).
+    # admitted after all its siblings finished copies it from a kept sibling.
     assert stats["prompt_tokens"] == 4 * sum(map(len, batch))
     assert stats["prompt_tokens_computed"] < stats["prompt_tokens"]

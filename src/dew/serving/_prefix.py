@@ -15,16 +15,24 @@ it and on its position, which is its column, so a copy is what a recompute would
   when the active request still holds its prompt's last-position logits (kept from its
   admission until the next load); otherwise its last token is computed for them.
 
-Only prompts of *active* requests are matched (their slots hold keys/values computed
-under the current weights: the engine recomputes them right after a load, before any
-admission), never anything kept from finished requests, so a load can never leave a
-stale prefix behind. Partial overlaps (two prompts that share a system prompt and then
-differ) are not matched: only whole active prompts are looked up as prefixes.
+* *A kept prefix*: a finished request's slot (its prompt and completion) is copied
+  into a slot of its own and kept, indexed by the request's affinity (a source's group
+  id), so the next turn of that multi-turn session, whose prompt extends it, computes
+  only its new tokens (the completion's last token and the observation), and a late
+  sample of a group whose siblings all finished copies its prompt from one of them.
+
+Only slots computed under the weights being served are matched: active requests are
+recomputed right after a load, before any admission, and every kept prefix is dropped
+at a load, so a load can never leave a stale prefix behind. Partial overlaps (two
+prompts that share a system prompt and then differ) are not matched: only whole active
+prompts, and kept token runs that are a prefix of the prompt or that the prompt is a
+prefix of, are looked up.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections import OrderedDict
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -32,18 +40,126 @@ import torch
 from dew.serving._kv import ModelCall, SlotCache
 from dew.serving._requests import Request
 
-__all__ = ["Row", "forward_extend", "plan_admission"]
+__all__ = ["Kept", "KeptPrefixes", "Row", "forward_extend", "plan_admission"]
+
+
+@dataclass(eq=False)
+class Kept:
+    """A finished request's keys/values, held in cache slot ``slot``: the columns of
+    ``tokens`` (its prompt and all but the last completion token)."""
+
+    tokens: list[int]
+    slot: int
+    affinity: Hashable
+
+
+class KeptPrefixes:
+    """Which finished requests' slots are kept, and where (bookkeeping only: the engine
+    moves the keys/values). Slots ``first .. first + size - 1`` of the cache are theirs;
+    the least recently kept or used entry makes room for a new one, except entries
+    pinned by the admission in progress (which are about to be copied from), and an
+    entry a newer one of its affinity extends is dropped (on :meth:`release` if pinned)."""
+
+    def __init__(self, first: int, size: int) -> None:
+        self.size = size
+        self._free = list(range(first + size - 1, first - 1, -1))  # pop() takes the lowest
+        self._lru: OrderedDict[Kept, None] = OrderedDict()  # oldest first
+        self._by_affinity: dict[Hashable, list[Kept]] = {}
+        self._pins: dict[Kept, int] = {}  # entry -> rows of the admission still to copy it
+        self._superseded: set[Kept] = set()  # pinned when a later call extended them
+
+    def __len__(self) -> int:
+        return len(self._lru)
+
+    def add(self, tokens: list[int], affinity: Hashable) -> Kept | None:
+        """A slot for ``tokens`` (the caller copies them in), or None when every kept
+        slot is pinned. Entries of the same affinity that ``tokens`` extends are dropped:
+        the session has moved past them."""
+        for old in [e for e in self._by_affinity.get(affinity, ()) if _starts(tokens, e.tokens)]:
+            if old in self._pins:  # still to be copied from: dropped once it is
+                self._superseded.add(old)
+            else:
+                self._drop(old)
+        if not self._free:
+            victim = next((e for e in self._lru if e not in self._pins), None)
+            if victim is None:
+                return None
+            self._drop(victim)
+        entry = Kept(tokens, self._free.pop(), affinity)
+        self._lru[entry] = None
+        self._by_affinity.setdefault(affinity, []).append(entry)
+        return entry
+
+    def match(self, prompt: list[int], affinity: Hashable) -> tuple[Kept, int] | None:
+        """The kept entry of ``affinity`` sharing the longest run with ``prompt`` (it is
+        a prefix of the prompt, or the prompt a prefix of it) and that run's length."""
+        best: tuple[Kept, int] | None = None
+        for entry in self._by_affinity.get(affinity, ()):
+            n = len(entry.tokens)
+            if n <= len(prompt):
+                shared = n if prompt[:n] == entry.tokens else 0
+            else:
+                shared = len(prompt) if entry.tokens[: len(prompt)] == prompt else 0
+            if shared and (best is None or shared > best[1]):
+                best = (entry, shared)
+        if best is not None:
+            self._lru.move_to_end(best[0])
+        return best
+
+    def pin(self, entry: Kept) -> None:
+        """One more row of the admission in progress will copy from ``entry``."""
+        self._pins[entry] = self._pins.get(entry, 0) + 1
+
+    def unpin(self, entry: Kept) -> None:
+        """A row has copied from ``entry``."""
+        left = self._pins.get(entry, 0) - 1
+        if left > 0:
+            self._pins[entry] = left
+            return
+        self._pins.pop(entry, None)
+        if entry in self._superseded:
+            self._superseded.discard(entry)
+            if entry in self._lru:
+                self._drop(entry)
+
+    def release(self) -> None:
+        """End of an admission: unpin whatever is still pinned (rows that never got to
+        copy, as when a step failed)."""
+        for entry in list(self._pins):
+            self._pins[entry] = 1
+            self.unpin(entry)
+
+    def clear(self) -> None:
+        """Forget every entry (a load, or buffers whose contents are unknown)."""
+        for entry in list(self._lru):
+            self._drop(entry)
+        self._pins.clear()
+        self._superseded.clear()
+
+    def _drop(self, entry: Kept) -> None:
+        del self._lru[entry]
+        same = self._by_affinity[entry.affinity]
+        same.remove(entry)
+        if not same:
+            del self._by_affinity[entry.affinity]
+        self._free.append(entry.slot)
+        self._free.sort(reverse=True)
+
+
+def _starts(tokens: list[int], prefix: list[int]) -> bool:
+    return len(prefix) <= len(tokens) and tokens[: len(prefix)] == prefix
 
 
 @dataclass(eq=False)
 class Row:
     """One prefill row: ``request``'s prompt from column ``start`` on is computed; columns
-    ``0 .. start-1`` are first copied from ``source``'s slot (an active request). When
-    ``start`` is the whole prompt, nothing is computed: the logits are ``source``'s."""
+    ``0 .. start-1`` are first copied from ``source``'s slot (an active request or a kept
+    prefix). When ``start`` is the whole prompt, nothing is computed: the logits are
+    ``source``'s (an active request's; a kept prefix keeps no logits)."""
 
     request: Request
     start: int = 0
-    source: Request | None = None
+    source: Request | Kept | None = None
     followers: list[Request] = field(default_factory=list)  # identical prompts, copied after
 
     @property
@@ -52,38 +168,59 @@ class Row:
         return len(self.request.prompt) - self.start
 
 
-def plan_admission(joiners: Sequence[Request], active: Sequence[Request]) -> list[Row]:
+def plan_admission(
+    joiners: Sequence[Request],
+    active: Sequence[Request],
+    kept: KeptPrefixes | None = None,
+    affinity: Sequence[Hashable] = (),
+) -> list[Row]:
     """Rows to prefill for ``joiners`` (in arrival order of their leaders), with their
-    followers attached and their longest resident prefix among ``active``'s prompts."""
+    followers attached and their longest resident prefix among ``active``'s prompts and,
+    for joiners with an affinity (``affinity[i]`` of ``joiners[i]``, None for none),
+    the ``kept`` prefixes; a kept prefix chosen is pinned until the row has copied it."""
     rows: dict[tuple[int, ...], Row] = {}
-    for r in joiners:
+    groups: dict[tuple[int, ...], Hashable] = {}
+    for i, r in enumerate(joiners):
         key = tuple(r.prompt)
         row = rows.get(key)
         if row is None:
             rows[key] = Row(r)
+            groups[key] = affinity[i] if i < len(affinity) else None
         else:
             row.followers.append(r)
-    if not active:
-        return list(rows.values())
-    # Active prompts by length, so a joiner looks up each possible prefix length once.
-    by_len: dict[int, dict[tuple[int, ...], Request]] = {}
-    firsts: set[int] = set()
-    for r in active:
-        by_len.setdefault(len(r.prompt), {}).setdefault(tuple(r.prompt), r)
-        firsts.add(r.prompt[0])
-    lengths = sorted(by_len, reverse=True)
-    for key, row in rows.items():
-        if key[0] not in firsts:
-            continue
-        for n in lengths:
-            if n > len(key):
+    if active:
+        # Active prompts by length, so a joiner looks up each possible prefix length once.
+        by_len: dict[int, dict[tuple[int, ...], Request]] = {}
+        firsts: set[int] = set()
+        for r in active:
+            by_len.setdefault(len(r.prompt), {}).setdefault(tuple(r.prompt), r)
+            firsts.add(r.prompt[0])
+        lengths = sorted(by_len, reverse=True)
+        for key, row in rows.items():
+            if key[0] not in firsts:
                 continue
-            source = by_len[n].get(key[:n])
-            if source is not None:
-                whole = n == len(key) and source.prompt_logits is not None
-                row.start = n if whole else min(n, len(key) - 1)
-                row.source = source if row.start > 0 else None
-                break
+            for n in lengths:
+                if n > len(key):
+                    continue
+                source = by_len[n].get(key[:n])
+                if source is not None:
+                    whole = n == len(key) and source.prompt_logits is not None
+                    row.start = n if whole else min(n, len(key) - 1)
+                    row.source = source if row.start > 0 else None
+                    break
+    if kept is not None and len(kept):
+        for key, row in rows.items():
+            group = groups[key]
+            if group is None:
+                continue
+            found = kept.match(row.request.prompt, group)
+            if found is None:
+                continue
+            entry, shared = found
+            start = min(shared, len(key) - 1)  # a kept prefix has no logits: compute one
+            if start > row.start:
+                row.start, row.source = start, entry
+                kept.pin(entry)
     return list(rows.values())
 
 

@@ -9,7 +9,7 @@ them: a request through its ``future``, a load through ``done`` and ``error``.
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import TypeVar
@@ -79,6 +79,7 @@ class Request:
     # Engine thread only: the prompt's last-position logits [V] while the request is
     # active and the weights that computed them are served (prefix sharing reuses them).
     prompt_logits: torch.Tensor | None = None
+    affinity: Hashable | None = None  # the caller's routing hint: where its prefix is kept
 
     @property
     def stopped(self) -> bool:

@@ -16,10 +16,13 @@ them all. Each engine iteration:
    (a GRPO group's samples) are computed once, their keys/values copied into each
    sample's slot and each first token drawn independently from the shared logits; a
    prompt that equals or extends an active request's prompt copies those columns and
-   computes only the rest (nothing, for an equal prompt whose logits are still kept);
+   computes only the rest (nothing, for an equal prompt whose logits are still kept),
+   and one that extends a finished request of its affinity (the next turn of a
+   multi-turn session) copies that request's kept columns;
 3. runs one decode step for every active request together and samples one token each;
 4. finishes requests that hit a stop token or ``max_tokens``; their slots are freed at
-   once, so requests join and leave at every iteration.
+   once, so requests join and leave at every iteration (a finished request's keys and
+   values are first copied to a kept slot, for its session's next call).
 
 Keys and values live in per-slot buffers (:mod:`dew.serving._kv`), so a step costs one
 forward over the active batch, with no cache concatenation.
@@ -46,8 +49,9 @@ Invariants:
   that request's own tokens under the weights being served: a load (even one that
   failed part way) is followed by a recompute of every active slot before anything is
   admitted, and a shared prefix is copied only from a slot active in the same
-  iteration (or from a leader computed in the same iteration), never from a finished
-  request. The prompt logits kept for reuse are dropped at every load. So nothing
+  iteration, from a leader computed in the same iteration, or from a kept slot of a
+  request that finished under the weights being served: every kept slot is dropped at
+  a load (even a failed one), as are the prompt logits kept for reuse. So nothing
   computed under old weights serves a request after a load, and a copied prefix
   equals a recomputed one.
 * A copy is private: once admitted, a request owns its slot's columns; an abort or
@@ -68,7 +72,7 @@ import torch
 
 from dew.core import Aborted, Call, Engine, SamplingParams
 from dew.serving._kv import ModelCall, SlotCache
-from dew.serving._prefix import Row, forward_extend, plan_admission
+from dew.serving._prefix import Kept, KeptPrefixes, Row, forward_extend, plan_admission
 from dew.serving._requests import (
     CallFuture,
     Load,
@@ -96,7 +100,9 @@ class RolloutServer(Engine):
     ``max_len`` the prompt plus completion length (default: the model's
     ``max_position_embeddings``). ``seed`` seeds the engine's sampler.
     ``share_prefixes=False`` turns prefix sharing off (every prompt is computed in
-    full; for comparisons).
+    full; for comparisons). ``prefix_cache`` is how many finished requests' keys and
+    values are kept for a continuation (default ``max_batch``; 0 keeps none): each takes
+    a cache slot of its own, so the key/value memory grows by that many slots.
 
     Greedy requests (``temperature=0``) report log-prob 0.0 per token (the point mass on
     the argmax), ``temperature=1.0`` in their :class:`Call`, and a one-id support per
@@ -122,6 +128,7 @@ class RolloutServer(Engine):
         max_len: int | None = None,
         seed: int = 0,
         share_prefixes: bool = True,
+        prefix_cache: int | None = None,
     ) -> None:
         version = as_int(version, "version")
         if version < 0:
@@ -139,6 +146,10 @@ class RolloutServer(Engine):
         max_len = as_int(max_len, "max_len")
         if max_len < 2:
             raise ValueError(f"max_len must be >= 2, got {max_len}")
+        kept = max_batch if prefix_cache is None else as_int(prefix_cache, "prefix_cache")
+        if kept < 0:
+            raise ValueError(f"prefix_cache must be >= 0 or None, got {prefix_cache}")
+        kept = kept if share_prefixes else 0
         self._model = copy.deepcopy(model).eval().requires_grad_(False)
         self._call = ModelCall(self._model)  # refuses unsupported attention kinds
         self._targets = self._model.state_dict()  # shares storage with the copy
@@ -153,7 +164,10 @@ class RolloutServer(Engine):
         self._max_len = max_len
         self._device = next(self._model.parameters()).device
         self._generator = torch.Generator(device=self._device).manual_seed(as_int(seed, "seed"))
-        self._cache = SlotCache(int(config.num_hidden_layers), max_batch, max_len, self._device)
+        layers = int(config.num_hidden_layers)
+        self._cache = SlotCache(layers, max_batch + kept, max_len, self._device)
+        # Slots max_batch .. max_batch + kept - 1 hold kept prefixes (engine thread only).
+        self._kept = KeptPrefixes(max_batch, kept) if kept else None
 
         self._cond = threading.Condition()
         self._pending: deque[Request] = deque()  # guarded by _cond
@@ -214,6 +228,7 @@ class RolloutServer(Engine):
                 "iterations": self._iteration,
                 "prompt_tokens": self._served,
                 "prompt_tokens_computed": self._computed,
+                "kept": 0 if self._kept is None else len(self._kept),
             }
 
     def load(self, variables: torch.nn.Module | Mapping[str, torch.Tensor], version: int) -> None:
@@ -260,12 +275,14 @@ class RolloutServer(Engine):
         Done-callbacks run on the engine thread, between two iterations: keep them
         short, and hand slow work (a verifier, an environment step) to a thread of your
         own. This is how a source serves many rollouts without a thread blocked in each.
-        ``affinity`` (a fleet's routing hint) means nothing to a single engine.
+        ``affinity`` (a fleet's routing hint; sources pass the rollout's group) is where
+        this engine keeps the request's keys and values once it finishes, for a later
+        call that extends it (``prefix_cache``).
         """
-        del affinity
         request = make_request(
             prompt, params, stop, vocab=self._vocab, max_len=self._max_len, eos=self._eos
         )
+        request.affinity = affinity
         future = request.future
         future.engine_thread = self._thread
         future.set_running_or_notify_cancel()  # only the engine resolves it from now on
@@ -331,7 +348,7 @@ class RolloutServer(Engine):
             self._loads.clear()
         jobs = [*self._active, *waiting]
         self._active = []
-        self._cache.clear()
+        self._drop_cache()
         for job in jobs:
             self._resolve(job, error)
 
@@ -367,6 +384,8 @@ class RolloutServer(Engine):
         for job in loads:
             for r in self._active:  # logits of the weights being replaced serve no one
                 r.prompt_logits = None
+            if self._kept is not None:  # nor do the keys/values of finished requests
+                self._kept.clear()
             self._apply(job)
         dropped += [r for r in self._active if r.stopped]
         self._remove(set(dropped))  # tables first: a caller that wakes up sees them clean
@@ -387,11 +406,17 @@ class RolloutServer(Engine):
             hit = {*self._active, *joiners}
             self._active = []
             self._rows = None
-            self._cache.clear()
+            self._drop_cache()
             for r in hit:
                 if not r.future.done():
                     self._resolve(r, failed)
         return True
+
+    def _drop_cache(self) -> None:
+        """Forget every slot's keys/values (after a failed step their contents are unknown)."""
+        self._cache.clear()
+        if self._kept is not None:
+            self._kept.clear()
 
     def _gather(self) -> None:  # caller holds _cond
         deadline = time.monotonic() + _GATHER
@@ -479,9 +504,29 @@ class RolloutServer(Engine):
                 support=r.support if r.keeps_support else None,
                 finish_reason=r.finish_reason,
             )
+        if finished and self._kept is not None:
+            self._keep(finished)
         self._remove(finished.keys())
         for r, call in finished.items():
             r.future.set_result(call)
+
+    def _keep(self, finished: Mapping[Request, Call]) -> None:
+        """Copy the slots of ``finished`` requests (active ones) into kept slots."""
+        assert self._kept is not None
+        slot = {id(r): i for i, r in enumerate(self._active)}
+        src, dst, width = [], [], 0
+        for r in finished:
+            if r.affinity is None or r.cached < 1:
+                continue
+            entry = self._kept.add(r.prompt + r.completion[:-1], r.affinity)
+            if entry is None:
+                continue
+            src.append(slot[id(r)])
+            dst.append(entry.slot)
+            width = max(width, r.cached)
+        if src:
+            self._cache.reserve(max(dst) + 1, width)
+            self._cache.move(src, dst, width)
 
     def _forward_prefill(self, seqs: list[list[int]], slots: list[int]) -> torch.Tensor:
         """Run ``seqs`` (token ids, longest first) left-padded through the model, writing
@@ -508,13 +553,21 @@ class RolloutServer(Engine):
         """Admit ``joiners``: compute each distinct prompt once (from its resident prefix
         on, see :mod:`dew.serving._prefix`), copy it to its identical followers, and
         sample every joiner's first token."""
-        plan = plan_admission(joiners, self._active) if self._share else [Row(r) for r in joiners]
-        copied = [row for row in plan if row.start == len(row.request.prompt)]
-        if copied:  # resident identical prompts: nothing to compute
-            self._admit(copied, None)
-        computed = [row for row in plan if row.start < len(row.request.prompt)]
-        for group in prefill_groups(computed, lambda row: row.new):
-            self._admit(group, group)
+        if not self._share:
+            plan = [Row(r) for r in joiners]
+        else:
+            groups = [r.affinity for r in joiners]
+            plan = plan_admission(joiners, self._active, self._kept, groups)
+        try:
+            copied = [row for row in plan if row.start == len(row.request.prompt)]
+            if copied:  # resident identical prompts: nothing to compute
+                self._admit(copied, None)
+            computed = [row for row in plan if row.start < len(row.request.prompt)]
+            for group in prefill_groups(computed, lambda row: row.new):
+                self._admit(group, group)
+        finally:
+            if self._kept is not None:  # what the plan copies from is copied by now
+                self._kept.release()
 
     def _admit(self, rows: list[Row], forward: list[Row] | None) -> None:
         """Put ``rows`` and their followers in the next slots, copy their resident
@@ -530,14 +583,21 @@ class RolloutServer(Engine):
         self._cache.reserve(first + len(members), span)
         copies = [(row.source, first + i, row.start) for i, row in enumerate(rows)]
         copies = [c for c in copies if c[0] is not None]
-        if copies:  # resident prefixes into the new slots, before the forward
+        if copies:  # resident and kept prefixes into the new slots, before the forward
             slot = {id(r): i for i, r in enumerate(self._active)}
             self._cache.move(
-                [slot[id(c[0])] for c in copies], [c[1] for c in copies], max(c[2] for c in copies)
+                [c[0].slot if isinstance(c[0], Kept) else slot[id(c[0])] for c in copies],
+                [c[1] for c in copies],
+                max(c[2] for c in copies),
             )
+            if self._kept is not None:
+                for c in copies:
+                    if isinstance(c[0], Kept):
+                        self._kept.unpin(c[0])
         if forward is None:
-            kept = [row.source.prompt_logits for row in rows if row.source is not None]
-            logits = torch.stack([t for t in kept if t is not None])  # [len(rows), V]
+            # whole copies come from active requests only (a kept prefix has no logits)
+            held = [row.source.prompt_logits for row in rows if isinstance(row.source, Request)]
+            logits = torch.stack([t for t in held if t is not None])  # [len(rows), V]
             assert len(logits) == len(rows)
         else:
             logits = forward_extend(self._call, self._cache, forward, first)  # [len(rows), V]
