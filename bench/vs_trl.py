@@ -252,11 +252,11 @@ def _seeds(text: str) -> list[int]:
     return seeds
 
 
-def _threads(system: str, args: argparse.Namespace) -> int:
+def threads_of(system: str, args: argparse.Namespace) -> int:
     return args.dew_threads if system == "dew" else args.threads
 
 
-def _thread_text(args: argparse.Namespace) -> str:
+def thread_text(args: argparse.Namespace) -> str:
     if args.dew_threads == args.threads:
         return f"{args.threads} torch threads per run"
     return f"TRL {args.threads} torch threads per run, dew {args.dew_threads}"
@@ -271,7 +271,7 @@ def run_single(seeds: list[int], args: argparse.Namespace) -> dict[str, list[Run
                 system=system,
                 task="single",
                 seed=seed,
-                threads=_threads(system, args),
+                threads=threads_of(system, args),
                 max_seconds=args.max_seconds,
                 max_steps=args.max_steps,
                 stop_at_reward=True,
@@ -291,7 +291,7 @@ def run_multi(seeds: list[int], args: argparse.Namespace) -> dict[str, list[RunR
                 system=system,
                 task="multi",
                 seed=seed,
-                threads=_threads(system, args),
+                threads=threads_of(system, args),
                 max_seconds=args.mt_steps * 10.0,  # a cap the step count reaches first
                 max_steps=args.mt_steps,
                 stop_at_reward=False,
@@ -319,7 +319,7 @@ def method(args: argparse.Namespace) -> str:
         f"until the mean reward of the last {WINDOW} steps first reaches {THRESHOLD} (runs "
         f"capped at {args.max_seconds:g} s); completions/s: completions trained / wall "
         "seconds of training. Each run is its own process, one at a time, torch pinned "
-        f"({_thread_text(args)}; dew's engine and trainer threads compute at the same time, "
+        f"({thread_text(args)}; dew's engine and trainer threads compute at the same time, "
         "TRL's generation and training one after the other). Two-turn task: the same "
         "skill over two turns of three "
         f"digits, {args.latency * 1000:g} ms slept in every environment step, "
@@ -371,13 +371,13 @@ def main() -> None:
     print(body)
     for name, measured, target, status in single.rows + multi.rows:
         print(f"{name}: {measured}; target {target}: {status}")
-    print(f"\nbench wall time: {elapsed:.0f} s ({_thread_text(args)})")
+    print(f"\nbench wall time: {elapsed:.0f} s ({thread_text(args)})")
     if not args.write:
         return
     lines = run_lines(
         "vs_trl.py",
         elapsed,
-        f"torch {version('torch')} ({_thread_text(args)})",
+        f"torch {version('torch')} ({thread_text(args)})",
         f"transformers {version('transformers')}",
         f"trl {version('trl')}",
     )

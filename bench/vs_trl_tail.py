@@ -49,7 +49,7 @@ import _results
 from _results import run_lines, write_section, write_summary_row
 from _vs_trl_common import WINDOW, RunResult, RunSpec
 from dew.demo.tail import Workload
-from vs_trl import median_reach, reach_cell, run_worker, speed_ratio
+from vs_trl import median_reach, reach_cell, run_worker, speed_ratio, thread_text, threads_of
 
 RESULTS = _results.RESULTS
 # The reward each task's runs race to, well above what an untrained model scores (about
@@ -125,7 +125,7 @@ def run_task(task: str, runs: list[Run], args: argparse.Namespace) -> dict[str, 
                 system=run.system,
                 task=task,
                 seed=seed,
-                threads=args.threads,
+                threads=threads_of(run.system, args),
                 max_seconds=args.max_seconds,
                 max_steps=args.max_steps,
                 stop_at_reward=True,
@@ -252,6 +252,9 @@ def main() -> None:
     ap.add_argument("--save", default=None, help="folder to keep every run's result in")
     ap.add_argument("--load", default=None, help="render the results saved in this folder")
     ap.add_argument("--threads", type=int, default=2, help="torch threads of every run")
+    ap.add_argument(
+        "--dew-threads", type=int, default=None, help="torch threads of dew's runs (--threads)"
+    )
     ap.add_argument("--max-steps", type=int, default=400, help="step cap per run")
     ap.add_argument("--max-seconds", type=float, default=900.0, help="wall cap per run")
     ap.add_argument("--tiny", action="store_true", help="two steps of everything, no write")
@@ -265,8 +268,10 @@ def main() -> None:
         args.seeds = [int(s) for s in args.seeds.split(",") if s.strip()]
     except ValueError:
         raise SystemExit(f"--seeds {args.seeds!r}: comma-separated integers") from None
-    if not args.seeds or args.threads < 1 or args.max_steps < 1 or args.fleet < 0:
-        raise SystemExit("need a seed, --threads and --max-steps >= 1, --fleet >= 0")
+    if args.dew_threads is None:
+        args.dew_threads = args.threads
+    if not args.seeds or min(args.threads, args.dew_threads, args.max_steps) < 1 or args.fleet < 0:
+        raise SystemExit("need a seed, --threads, --dew-threads and --max-steps >= 1, --fleet >= 0")
     runs = _runs(Policy.parse(args.policy), args.fleet)
     if args.tiny:
         args.seeds, args.max_steps, args.max_seconds, args.write = [0], 2, 120.0, False
@@ -300,7 +305,7 @@ def main() -> None:
     lines = run_lines(
         "vs_trl_tail.py",
         elapsed,
-        f"torch {version('torch')} ({args.threads} torch threads per run)",
+        f"torch {version('torch')} ({thread_text(args)})",
         f"transformers {version('transformers')}",
         f"trl {version('trl')}",
     )
