@@ -17,7 +17,7 @@ from dew.core import Call, SamplingParams
 from dew.serving import RolloutServer
 from dew.serving._prefix import KeptPrefixes
 
-from ._helpers import WAIT, hf_greedy, lively, prompts
+from ._helpers import WAIT, hf_greedy, lively, prompts, wait_until
 
 GREEDY = {"temperature": 0.0, "stop_ids": ()}
 
@@ -137,30 +137,91 @@ def test_sessions_through_kept_prefixes_see_what_they_would_without() -> None:
 
 def test_kept_prefixes_bookkeeping() -> None:
     kept = KeptPrefixes(first=10, size=2)
-    one = kept.add([1, 2, 3], "s")
+    one = kept.add([1, 2, 3], "s", 0)
     assert one is not None and one.slot == 10 and len(kept) == 1
     assert kept.match([1, 2, 3, 4], "s") == (one, 3)  # a prefix of the prompt
     assert kept.match([1, 2], "s") == (one, 2)  # the prompt inside the kept run
     assert kept.match([1, 9, 3], "s") is None and kept.match([1, 2, 3], "t") is None
-    two = kept.add([1, 2, 3, 4, 5], "s")  # extends one: one is dropped
+    two = kept.add([1, 2, 3, 4, 5], "s", 0)  # extends one: one is dropped
     assert two is not None and len(kept) == 1 and two.slot == 10
-    other = kept.add([7, 8], "t")
+    other = kept.add([7, 8], "t", 0)
     assert other is not None and other.slot == 11
     kept.pin(two)
-    third = kept.add([9], "u")  # full: the oldest unpinned entry (other) makes room
+    third = kept.add([9], "u", 0)  # full: the oldest unpinned entry (other) makes room
     assert third is not None and third.slot == 11 and kept.match([7, 8], "t") is None
     kept.pin(third)
-    assert kept.add([5], "v") is None  # every slot pinned: nothing kept
+    assert kept.add([5], "v", 0) is None  # every slot pinned: nothing kept
     kept.pin(third)  # two rows copy from it
-    assert kept.add([9, 1], "u") is None  # third is superseded, but still to be copied
+    assert kept.add([9, 1], "u", 0) is None  # third is superseded, but still to be copied
     kept.unpin(third)
     assert kept.match([9], "u") == (third, 1)  # one row has yet to copy it
     kept.unpin(third)  # the last row copied it: the superseded entry goes
     assert kept.match([9], "u") is None
-    assert kept.add([9, 1], "u") is not None
+    assert kept.add([9, 1], "u", 0) is not None
     kept.release()  # what is still pinned (two) is unpinned
-    assert kept.add([6], "x") is not None  # two, the oldest, made room
+    assert kept.add([6], "x", 0) is not None  # two, the oldest, made room
     assert kept.match([1, 2, 3, 4, 5], "s") is None
     kept.clear()
     assert len(kept) == 0
-    assert kept.add([4], "w").slot == 10
+    assert kept.add([4], "w", 0).slot == 10
+
+
+# --------------------------------------------------------------------------- on_load="keep"
+
+
+def stale_greedy(old: torch.nn.Module, new: torch.nn.Module, prompt: list[int], k: int, n: int):
+    """Greedy tokens when a load lands after ``k`` of ``n``: the old weights sample the
+    first k, then the new weights go on over the old weights' keys/values (the cache
+    as it stood: the prompt and the first k - 1 tokens)."""
+    from transformers import DynamicCache
+
+    cache = DynamicCache()
+    tokens: list[int] = []
+    ids = torch.tensor([prompt])
+    with torch.no_grad():
+        for i in range(n):
+            model = old if i < k else new
+            logits = model(input_ids=ids, cache=cache, use_cache=True).logits
+            tokens.append(int(logits[0, -1].argmax()))
+            ids = torch.tensor([[tokens[-1]]])
+    return tokens
+
+
+@pytest.mark.timeout(120)
+def test_keep_lets_a_running_request_go_on_over_the_keys_and_values_it_has() -> None:
+    old, new = lively("qwen2", 31), lively("qwen2", 32)
+    prompt = prompts(1, old.config.vocab_size, seed=33, low=10, high=10)[0]
+    n = 120
+    with RolloutServer(old, version=1, max_batch=4, on_load="keep") as server:
+        future = server.submit(prompt, SamplingParams(max_tokens=n, **GREEDY))
+        wait_until(lambda: server.stats()["iterations"] >= 8, "the request to decode a while")
+        before = computed(server)
+        server.load(new, 2)
+        call = future.result(timeout=WAIT)
+        assert computed(server) == before  # nothing recomputed at the load
+    assert call.version == 1  # the oldest weights behind its tokens
+    plain_old, plain_new = hf_greedy(old, prompt, n), hf_greedy(new, prompt, n)
+    got = list(call.completion)
+    same = next((i for i, (a, b) in enumerate(zip(got, plain_old)) if a != b), n)
+    assert 0 < same < n and got != plain_new  # the load landed part way
+    # the load landed after k tokens, for some k up to the first one that differs
+    assert any(stale_greedy(old, new, prompt, k, n) == got for k in range(1, same + 1))
+
+
+@pytest.mark.timeout(120)
+def test_keep_carries_kept_prefixes_across_a_load_and_ages_their_calls() -> None:
+    old, new = lively("qwen2", 34), lively("qwen2", 35)
+    first = prompts(1, old.config.vocab_size, seed=36, low=9, high=9)[0]
+    with RolloutServer(old, version=1, max_batch=4, on_load="keep") as server:
+        one = turn(server, first, 4, affinity=0)
+        server.load(new, 2)
+        assert server.stats()["kept"] == 1
+        second = [*one.prompt, *one.completion, 50, 51]
+        before = computed(server)
+        two = turn(server, second, 4, affinity=0)
+        assert computed(server) - before == 1 + 2  # the kept columns were copied
+        fresh = turn(server, first, 4, affinity=9)  # no prefix: the new weights alone
+    assert (one.version, two.version, fresh.version) == (1, 1, 2)
+    assert list(fresh.completion) == hf_greedy(new, first, 4)
+    with pytest.raises(ValueError, match="on_load='never'"):
+        RolloutServer(old, on_load="never")

@@ -42,6 +42,9 @@ from dew.serving._decode import lean_forward
 
 __all__ = ["MASKS", "ModelCall", "SlotCache"]
 
+# Moves of at most this many slots copy slot by slot (see SlotCache.move).
+_FEW = 8
+
 
 class SlotCache:
     """Growable per-slot KV buffers (see the module docstring for the layout)."""
@@ -152,9 +155,17 @@ class SlotCache:
         """Copy slots ``src`` onto slots ``dst`` (first ``width`` columns)."""
         if not src or not self.keys:
             return
+        tensors = (*self.keys, *self.values)
+        if len(src) <= _FEW and set(src).isdisjoint(dst):
+            # a few slots: one narrow copy each is cheaper than an indexed gather and
+            # scatter (217 -> 92 us for 3 slots of 300 columns, tiny model)
+            for t in tensors:
+                for i, j in zip(src, dst, strict=True):
+                    t[j, :, :width].copy_(t[i, :, :width])
+            return
         s = torch.tensor(src, device=self.device)
         d = torch.tensor(dst, device=self.device)
-        for t in (*self.keys, *self.values):
+        for t in tensors:
             t[d, :, :width] = t[s, :, :width]
 
     # ------------------------------------------------------------------ model protocol

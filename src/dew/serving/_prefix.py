@@ -46,11 +46,13 @@ __all__ = ["Kept", "KeptPrefixes", "Row", "forward_extend", "plan_admission"]
 @dataclass(eq=False)
 class Kept:
     """A finished request's keys/values, held in cache slot ``slot``: the columns of
-    ``tokens`` (its prompt and all but the last completion token)."""
+    ``tokens`` (its prompt and all but the last completion token), computed under
+    weights no older than ``version``."""
 
     tokens: list[int]
     slot: int
     affinity: Hashable
+    version: int
 
 
 class KeptPrefixes:
@@ -71,7 +73,7 @@ class KeptPrefixes:
     def __len__(self) -> int:
         return len(self._lru)
 
-    def add(self, tokens: list[int], affinity: Hashable) -> Kept | None:
+    def add(self, tokens: list[int], affinity: Hashable, version: int) -> Kept | None:
         """A slot for ``tokens`` (the caller copies them in), or None when every kept
         slot is pinned. Entries of the same affinity that ``tokens`` extends are dropped:
         the session has moved past them."""
@@ -85,7 +87,7 @@ class KeptPrefixes:
             if victim is None:
                 return None
             self._drop(victim)
-        entry = Kept(tokens, self._free.pop(), affinity)
+        entry = Kept(tokens, self._free.pop(), affinity, version)
         self._lru[entry] = None
         self._by_affinity.setdefault(affinity, []).append(entry)
         return entry

@@ -10,8 +10,10 @@ them all. Each engine iteration:
    lets a burst of concurrent calls land (until 0.5 ms pass without a new one, 5 ms at
    most), so they are prefilled as one batch;
 2. after a load, recomputes the running requests' keys/values under the new weights, so
-   every token sampled after a push comes from the new weights alone; then prefills the
-   admitted requests (left-padded, grouped by length) and samples their first token.
+   every token sampled after a push comes from the new weights alone (``on_load=
+   "recompute"``, the default; ``"keep"`` lets them go on over the keys/values they
+   have, see below); then prefills the admitted requests (left-padded, grouped by
+   length) and samples their first token.
    Prefill is shared (:mod:`dew.serving._prefix`): identical prompts admitted together
    (a GRPO group's samples) are computed once, their keys/values copied into each
    sample's slot and each first token drawn independently from the shared logits; a
@@ -42,7 +44,8 @@ Invariants:
   everything has resolved): futures resolve only after the tables are updated, so a
   done-callback, which runs on the engine thread, already sees them clean.
 * ``version`` changes only after the new weights are in place; every active request's
-  recorded version is the minimum over the versions that served any of its tokens.
+  recorded version is the minimum over the versions that served any of its tokens (and,
+  under ``on_load="keep"``, any keys/values it attends to).
 * Invalid input is refused with ``ValueError`` in the caller's thread, before it reaches
   the engine, so it cannot disturb anyone else's request.
 * Every column ``0 .. cached-1`` of an active request's slot holds the keys/values of
@@ -53,7 +56,12 @@ Invariants:
   request that finished under the weights being served: every kept slot is dropped at
   a load (even a failed one), as are the prompt logits kept for reuse. So nothing
   computed under old weights serves a request after a load, and a copied prefix
-  equals a recomputed one.
+  equals a recomputed one. Under ``on_load="keep"`` (PipelineRL's in-flight weight
+  updates) none of this is recomputed or dropped but the prompt logits: a running
+  request goes on over the keys/values it has, a kept or active prefix is copied
+  whatever weights computed it, and each request's version is the oldest of them, so
+  its behavior log-probs stay exact (they are of the distribution actually sampled) and
+  its staleness is counted from the oldest weights behind any of its tokens.
 * A copy is private: once admitted, a request owns its slot's columns; an abort or
   finish of one sample of a group leaves its siblings' keys/values untouched.
 """
@@ -84,11 +92,13 @@ from dew.serving._requests import (
 )
 from dew.serving._sampling import RowSettings, sample, settings
 
-__all__ = ["RolloutServer"]
+__all__ = ["ON_LOAD", "RolloutServer"]
 
 # An idle engine woken by a request waits until no new request has arrived for _QUIET
 # seconds (at most _GATHER in all), so a burst of concurrent calls is prefilled together.
 _QUIET = 0.0005
+# What a weight load does to the running requests' keys/values (see the module docstring).
+ON_LOAD = ("recompute", "keep")
 _GATHER = 0.005
 
 
@@ -103,6 +113,10 @@ class RolloutServer(Engine):
     full; for comparisons). ``prefix_cache`` is how many finished requests' keys and
     values are kept for a continuation (default ``max_batch``; 0 keeps none): each takes
     a cache slot of its own, so the key/value memory grows by that many slots.
+    ``on_load``: what a weight load does to running requests and kept prefixes
+    (``"recompute"``: recomputed and dropped, every later token from the new weights
+    alone; ``"keep"``: left as they are, the load costs nothing but the copy; see the
+    module docstring).
 
     Greedy requests (``temperature=0``) report log-prob 0.0 per token (the point mass on
     the argmax), ``temperature=1.0`` in their :class:`Call`, and a one-id support per
@@ -129,6 +143,7 @@ class RolloutServer(Engine):
         seed: int = 0,
         share_prefixes: bool = True,
         prefix_cache: int | None = None,
+        on_load: str = "recompute",
     ) -> None:
         version = as_int(version, "version")
         if version < 0:
@@ -150,6 +165,9 @@ class RolloutServer(Engine):
         if kept < 0:
             raise ValueError(f"prefix_cache must be >= 0 or None, got {prefix_cache}")
         kept = kept if share_prefixes else 0
+        if on_load not in ON_LOAD:
+            raise ValueError(f"on_load={on_load!r} is not one of {list(ON_LOAD)}")
+        self._recompute = on_load == "recompute"
         self._model = copy.deepcopy(model).eval().requires_grad_(False)
         self._call = ModelCall(self._model)  # refuses unsupported attention kinds
         self._targets = self._model.state_dict()  # shares storage with the copy
@@ -384,7 +402,7 @@ class RolloutServer(Engine):
         for job in loads:
             for r in self._active:  # logits of the weights being replaced serve no one
                 r.prompt_logits = None
-            if self._kept is not None:  # nor do the keys/values of finished requests
+            if self._kept is not None and self._recompute:  # nor do kept keys/values
                 self._kept.clear()
             self._apply(job)
         dropped += [r for r in self._active if r.stopped]
@@ -394,7 +412,8 @@ class RolloutServer(Engine):
                 r, Aborted("generation stopped", tokens=len(r.completion), iteration=iteration)
             )
         try:
-            if loads and self._active:  # even a failed load may have changed some weights
+            # even a failed load may have changed some weights
+            if loads and self._active and self._recompute:
                 self._refill()
             if joiners:
                 self._prefill(joiners)
@@ -518,7 +537,9 @@ class RolloutServer(Engine):
         for r in finished:
             if r.affinity is None or r.cached < 1:
                 continue
-            entry = self._kept.add(r.prompt + r.completion[:-1], r.affinity)
+            # the oldest weights behind its keys/values: all the served ones, unless kept
+            version = r.version if not self._recompute else self._version
+            entry = self._kept.add(r.prompt + r.completion[:-1], r.affinity, version)
             if entry is None:
                 continue
             src.append(slot[id(r)])
@@ -613,8 +634,12 @@ class RolloutServer(Engine):
             )
             logits = logits[torch.tensor(source_of, device=self._device)]  # [m, V]
         self._served += sum(len(r.prompt) for r in members)
-        for r in members:
-            r.version = self._version
+        for i, r in enumerate(members):
+            source = rows[source_of[i]].source
+            if source is None or self._recompute:
+                r.version = self._version
+            else:  # a prefix copied from keys/values of older weights ages the call
+                r.version = min(self._version, source.version)
         self._active.extend(members)
         self._rows = None
         rows_settings = settings(
