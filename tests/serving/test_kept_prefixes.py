@@ -202,7 +202,7 @@ def test_keep_lets_a_running_request_go_on_over_the_keys_and_values_it_has() -> 
     assert call.version == 1  # the oldest weights behind its tokens
     plain_old, plain_new = hf_greedy(old, prompt, n), hf_greedy(new, prompt, n)
     got = list(call.completion)
-    same = next((i for i, (a, b) in enumerate(zip(got, plain_old)) if a != b), n)
+    same = next((i for i, (a, b) in enumerate(zip(got, plain_old, strict=True)) if a != b), n)
     assert 0 < same < n and got != plain_new  # the load landed part way
     # the load landed after k tokens, for some k up to the first one that differs
     assert any(stale_greedy(old, new, prompt, k, n) == got for k in range(1, same + 1))

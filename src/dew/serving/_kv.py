@@ -40,7 +40,7 @@ import torch
 from dew._attention import ATTENTION_MASKS as MASKS
 from dew.serving._decode import lean_forward
 
-__all__ = ["MASKS", "ModelCall", "SlotCache"]
+__all__ = ["MASKS", "ModelCall", "SlotCache", "forward_decode", "forward_prefill"]
 
 # Moves of at most this many slots copy slot by slot (see SlotCache.move).
 _FEW = 8
@@ -265,3 +265,42 @@ class ModelCall:
             kwargs[self.keep_kw] = 1
         logits = self.model(**kwargs).logits  # [b, q or 1, V]
         return logits[:, -1, :].float()
+
+
+def forward_prefill(
+    call: ModelCall, cache: SlotCache, seqs: list[list[int]], slots: list[int]
+) -> torch.Tensor:
+    """Run ``seqs`` (token ids, longest first) left-padded through the model, writing
+    their keys/values into ``slots``; returns the last position's logits [k, V]."""
+    device = cache.device
+    width = len(seqs[0])
+    cache.reserve(max(slots) + 1, width)
+    lens = torch.tensor([len(s) for s in seqs], device=device)  # [k]
+    ids = torch.tensor([[0] * (width - len(s)) + s for s in seqs], device=device)  # [k, T]
+    col = torch.arange(width, device=device)  # [T]
+    pad = (width - lens).unsqueeze(1)  # [k, 1]
+    positions = (col.unsqueeze(0) - pad).clamp(min=0)  # [k, T]
+    causal = col.unsqueeze(1) >= col.unsqueeze(0)  # [T, T] query >= key
+    real_key = (col.unsqueeze(0) >= pad).unsqueeze(1)  # [k, 1, T]
+    # Padded query rows attend to themselves so every row stays finite.
+    eye = torch.eye(width, dtype=torch.bool, device=device)
+    allowed = (causal & real_key) | eye  # [k, T, T]
+    cache.set_prefill(slots, [len(s) for s in seqs], width)
+    return call.prefill(ids, positions, lens, allowed.unsqueeze(1), cache)
+
+
+def forward_decode(
+    call: ModelCall, cache: SlotCache, last: list[int], columns: list[int]
+) -> torch.Tensor:
+    """One decode step of slots ``0 .. n-1``: token ``last[i]`` at column ``columns[i]``
+    of slot ``i``; returns the next-token logits [n, V]."""
+    device = cache.device
+    n = len(last)
+    width = max(columns) + 1
+    cache.reserve(n, width)
+    cols = torch.tensor(columns, device=device)  # [n]
+    ids = torch.tensor(last, device=device).unsqueeze(1)  # [n, 1]
+    key = torch.arange(width, device=device)  # [W]
+    allowed = (key.unsqueeze(0) <= cols.unsqueeze(1))[:, None, None, :]  # [n, 1, 1, W]
+    cache.set_decode(n, cols, width)
+    return call.decode(ids, cols.unsqueeze(1), allowed, cache)  # [n, V]

@@ -40,7 +40,7 @@ import torch
 from dew.serving._kv import ModelCall, SlotCache
 from dew.serving._requests import Request
 
-__all__ = ["Kept", "KeptPrefixes", "Row", "forward_extend", "plan_admission"]
+__all__ = ["Kept", "KeptPrefixes", "Row", "forward_extend", "keep_finished", "plan_admission"]
 
 
 @dataclass(eq=False)
@@ -146,6 +146,32 @@ class KeptPrefixes:
             del self._by_affinity[entry.affinity]
         self._free.append(entry.slot)
         self._free.sort(reverse=True)
+
+
+def keep_finished(
+    kept: KeptPrefixes,
+    cache: SlotCache,
+    finished: Sequence[Request],
+    active: Sequence[Request],
+    served: int | None,
+) -> None:
+    """Copy the slots of ``finished`` requests (still in ``active``, whose index is the
+    slot) into kept slots, stamped ``served`` or, when None, each request's own version."""
+    slot = {id(r): i for i, r in enumerate(active)}
+    src, dst, width = [], [], 0
+    for r in finished:
+        if r.affinity is None or r.cached < 1:
+            continue
+        version = r.version if served is None else served
+        entry = kept.add(r.prompt + r.completion[:-1], r.affinity, version)
+        if entry is None:
+            continue
+        src.append(slot[id(r)])
+        dst.append(entry.slot)
+        width = max(width, r.cached)
+    if src:
+        cache.reserve(max(dst) + 1, width)
+        cache.move(src, dst, width)
 
 
 def _starts(tokens: list[int], prefix: list[int]) -> bool:

@@ -79,8 +79,15 @@ from concurrent.futures import Future
 import torch
 
 from dew.core import Aborted, Call, Engine, SamplingParams
-from dew.serving._kv import ModelCall, SlotCache
-from dew.serving._prefix import Kept, KeptPrefixes, Row, forward_extend, plan_admission
+from dew.serving._kv import ModelCall, SlotCache, forward_decode, forward_prefill
+from dew.serving._prefix import (
+    Kept,
+    KeptPrefixes,
+    Row,
+    forward_extend,
+    keep_finished,
+    plan_admission,
+)
 from dew.serving._requests import (
     CallFuture,
     Load,
@@ -524,51 +531,12 @@ class RolloutServer(Engine):
                 finish_reason=r.finish_reason,
             )
         if finished and self._kept is not None:
-            self._keep(finished)
+            # the oldest weights behind their keys/values: the served ones, unless kept
+            served = self._version if self._recompute else None
+            keep_finished(self._kept, self._cache, list(finished), self._active, served)
         self._remove(finished.keys())
         for r, call in finished.items():
             r.future.set_result(call)
-
-    def _keep(self, finished: Mapping[Request, Call]) -> None:
-        """Copy the slots of ``finished`` requests (active ones) into kept slots."""
-        assert self._kept is not None
-        slot = {id(r): i for i, r in enumerate(self._active)}
-        src, dst, width = [], [], 0
-        for r in finished:
-            if r.affinity is None or r.cached < 1:
-                continue
-            # the oldest weights behind its keys/values: all the served ones, unless kept
-            version = r.version if not self._recompute else self._version
-            entry = self._kept.add(r.prompt + r.completion[:-1], r.affinity, version)
-            if entry is None:
-                continue
-            src.append(slot[id(r)])
-            dst.append(entry.slot)
-            width = max(width, r.cached)
-        if src:
-            self._cache.reserve(max(dst) + 1, width)
-            self._cache.move(src, dst, width)
-
-    def _forward_prefill(self, seqs: list[list[int]], slots: list[int]) -> torch.Tensor:
-        """Run ``seqs`` (token ids, longest first) left-padded through the model, writing
-        their keys/values into ``slots``; returns the last position's logits [k, V]."""
-        width = len(seqs[0])
-        self._cache.reserve(max(slots) + 1, width)
-        lens = torch.tensor([len(s) for s in seqs], device=self._device)  # [k]
-        ids = torch.tensor(
-            [[0] * (width - len(s)) + s for s in seqs], device=self._device
-        )  # [k, T] left-padded
-        col = torch.arange(width, device=self._device)  # [T]
-        pad = (width - lens).unsqueeze(1)  # [k, 1]
-        positions = (col.unsqueeze(0) - pad).clamp(min=0)  # [k, T]
-        causal = col.unsqueeze(1) >= col.unsqueeze(0)  # [T, T] query >= key
-        real_key = (col.unsqueeze(0) >= pad).unsqueeze(1)  # [k, 1, T]
-        # Padded query rows attend to themselves so every row stays finite.
-        allowed = (causal & real_key) | torch.eye(
-            width, dtype=torch.bool, device=self._device
-        )  # [k, T, T]
-        self._cache.set_prefill(slots, [len(s) for s in seqs], width)
-        return self._call.prefill(ids, positions, lens, allowed.unsqueeze(1), self._cache)
 
     def _prefill(self, joiners: list[Request]) -> None:
         """Admit ``joiners``: compute each distinct prompt once (from its resident prefix
@@ -656,20 +624,15 @@ class RolloutServer(Engine):
         each later token is drawn from the new weights alone."""
         slot = {id(r): i for i, r in enumerate(self._active)}
         for group in prefill_groups(self._active, lambda r: r.cached):
-            self._forward_prefill(
-                [r.prompt + r.completion[:-1] for r in group], [slot[id(r)] for r in group]
+            forward_prefill(
+                self._call,
+                self._cache,
+                [r.prompt + r.completion[:-1] for r in group],
+                [slot[id(r)] for r in group],
             )
 
     def _decode(self) -> None:
-        active = self._active
-        n = len(active)
+        active = list(self._active)
         cols = [r.cached for r in active]
-        width = max(cols) + 1
-        self._cache.reserve(n, width)
-        columns = torch.tensor(cols, device=self._device)  # [n]
-        ids = torch.tensor([[r.completion[-1]] for r in active], device=self._device)  # [n, 1]
-        key = torch.arange(width, device=self._device)  # [W]
-        allowed = (key.unsqueeze(0) <= columns.unsqueeze(1))[:, None, None, :]  # [n, 1, 1, W]
-        self._cache.set_decode(n, columns, width)
-        logits = self._call.decode(ids, columns.unsqueeze(1), allowed, self._cache)  # [n, V]
-        self._take(list(active), logits, self._row_settings())
+        logits = forward_decode(self._call, self._cache, [r.completion[-1] for r in active], cols)
+        self._take(active, logits, self._row_settings())
