@@ -166,6 +166,20 @@ def test_kept_prefixes_bookkeeping() -> None:
     assert kept.add([4], "w", 0).slot == 10
 
 
+def test_kept_prefixes_of_older_weights_serve_continuations_only() -> None:
+    kept = KeptPrefixes(first=0, size=4)
+    old = kept.add([1, 2, 3], "s", 1)
+    assert old is not None
+    assert kept.match([1, 2, 3], "s", 2) is None  # the same prompt: a new start
+    assert kept.match([1, 2], "s", 2) is None  # the prompt inside the old run
+    assert kept.match([1, 2, 3, 4], "s", 2) == (old, 3)  # its session's next turn
+    assert kept.match([1, 2], "s", 1) == (old, 2)  # of the weights served: anything
+    new = kept.add([1, 2, 7], "s", 2)
+    assert new is not None
+    assert kept.match([1, 2], "s", 2) == (new, 2)
+    assert kept.match([1, 2], "s") == (new, 2)  # a tie goes to the newer weights
+
+
 # --------------------------------------------------------------------------- on_load="keep"
 
 
@@ -225,3 +239,40 @@ def test_keep_carries_kept_prefixes_across_a_load_and_ages_their_calls() -> None
     assert list(fresh.completion) == hf_greedy(new, first, 4)
     with pytest.raises(ValueError, match="on_load='never'"):
         RolloutServer(old, on_load="never")
+
+
+@pytest.mark.timeout(120)
+def test_keep_starts_a_prompt_afresh_rather_than_from_an_older_kept_sibling() -> None:
+    """A late sample or a retried attempt of a group after a load: copying its prompt from
+    a sibling that finished under the old weights would make it as old as that sibling
+    (and a retry of a stale rollout stale again, for as long as the slot is kept)."""
+    old, new = lively("qwen2", 37), lively("qwen2", 38)
+    first = prompts(1, old.config.vocab_size, seed=39, low=9, high=9)[0]
+    with RolloutServer(old, version=1, max_batch=4, on_load="keep") as server:
+        turn(server, first, 4, affinity=0)
+        server.load(new, 2)
+        before = computed(server)
+        again = turn(server, first, 4, affinity=0)
+        assert computed(server) - before == len(first)  # all of it, under the new weights
+        later = turn(server, first, 4, affinity=0)  # a sibling of the new weights serves
+        assert computed(server) - before == len(first) + 1
+    assert (again.version, later.version) == (2, 2)
+    assert list(again.completion) == hf_greedy(new, first, 4)
+    assert list(again.completion) != hf_greedy(old, first, 4)  # the check is not vacuous
+
+
+@pytest.mark.timeout(120)
+def test_keep_starts_a_prompt_afresh_rather_than_from_an_older_running_sibling() -> None:
+    old, new = lively("qwen2", 40), lively("qwen2", 41)
+    prompt = prompts(1, old.config.vocab_size, seed=42, low=10, high=10)[0]
+    with RolloutServer(old, version=1, max_batch=4, on_load="keep") as server:
+        running = server.submit(prompt, SamplingParams(max_tokens=150, **GREEDY), affinity=3)
+        wait_until(lambda: server.stats()["iterations"] >= 4, "the request to decode a while")
+        server.load(new, 2)
+        before = computed(server)
+        late = turn(server, prompt, 4, affinity=3)
+        assert not running.done()  # the old request was still there to copy from
+        assert computed(server) - before == len(prompt)
+        assert running.result(timeout=WAIT).version == 1
+    assert late.version == 2
+    assert list(late.completion) == hf_greedy(new, prompt, 4)

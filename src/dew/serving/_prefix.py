@@ -23,7 +23,13 @@ it and on its position, which is its column, so a copy is what a recompute would
 
 Only slots computed under the weights being served are matched: active requests are
 recomputed right after a load, before any admission, and every kept prefix is dropped
-at a load, so a load can never leave a stale prefix behind. Partial overlaps (two
+at a load, so a load can never leave a stale prefix behind. Under the engine's
+``on_load="keep"`` both outlive a load; a prefix computed under older weights then
+serves only a *continuation* (a prompt that extends a kept run past its end: the next
+turn of that session, which is as old as its own earlier turns anyway), never a new
+start of the same prompt. Were a retried attempt to copy its prompt from an old
+sibling, it would inherit that sibling's age, be discarded as stale again, and be
+retried the same way for as long as the old slot lives. Partial overlaps (two
 prompts that share a system prompt and then differ) are not matched: only whole active
 prompts, and kept token runs that are a prefix of the prompt or that the prompt is a
 prefix of, are looked up.
@@ -92,17 +98,23 @@ class KeptPrefixes:
         self._by_affinity.setdefault(affinity, []).append(entry)
         return entry
 
-    def match(self, prompt: list[int], affinity: Hashable) -> tuple[Kept, int] | None:
+    def match(
+        self, prompt: list[int], affinity: Hashable, version: int | None = None
+    ) -> tuple[Kept, int] | None:
         """The kept entry of ``affinity`` sharing the longest run with ``prompt`` (it is
-        a prefix of the prompt, or the prompt a prefix of it) and that run's length."""
+        a prefix of the prompt, or the prompt a prefix of it) and that run's length; the
+        newest on a tie. With ``version`` (the weights being served), an entry computed
+        under older weights counts only when the prompt extends it past its end."""
         best: tuple[Kept, int] | None = None
         for entry in self._by_affinity.get(affinity, ()):
             n = len(entry.tokens)
-            if n <= len(prompt):
+            if n < len(prompt):
                 shared = n if prompt[:n] == entry.tokens else 0
+            elif version is not None and entry.version < version:
+                continue  # an old entry starts nothing new (see the module docstring)
             else:
                 shared = len(prompt) if entry.tokens[: len(prompt)] == prompt else 0
-            if shared and (best is None or shared > best[1]):
+            if shared and (best is None or (shared, entry.version) > (best[1], best[0].version)):
                 best = (entry, shared)
         if best is not None:
             self._lru.move_to_end(best[0])
@@ -201,11 +213,14 @@ def plan_admission(
     active: Sequence[Request],
     kept: KeptPrefixes | None = None,
     affinity: Sequence[Hashable] = (),
+    version: int | None = None,
 ) -> list[Row]:
     """Rows to prefill for ``joiners`` (in arrival order of their leaders), with their
     followers attached and their longest resident prefix among ``active``'s prompts and,
     for joiners with an affinity (``affinity[i]`` of ``joiners[i]``, None for none),
-    the ``kept`` prefixes; a kept prefix chosen is pinned until the row has copied it."""
+    the ``kept`` prefixes; a kept prefix chosen is pinned until the row has copied it.
+    ``version``: the weights being served; an active request that is older (it went on
+    across a load) lends no prompt, and an older kept prefix serves continuations only."""
     rows: dict[tuple[int, ...], Row] = {}
     groups: dict[tuple[int, ...], Hashable] = {}
     for i, r in enumerate(joiners):
@@ -221,6 +236,8 @@ def plan_admission(
         by_len: dict[int, dict[tuple[int, ...], Request]] = {}
         firsts: set[int] = set()
         for r in active:
+            if version is not None and r.version < version:
+                continue  # its prompt's keys/values are of older weights
             by_len.setdefault(len(r.prompt), {}).setdefault(tuple(r.prompt), r)
             firsts.add(r.prompt[0])
         lengths = sorted(by_len, reverse=True)
@@ -241,7 +258,7 @@ def plan_admission(
             group = groups[key]
             if group is None:
                 continue
-            found = kept.match(row.request.prompt, group)
+            found = kept.match(row.request.prompt, group, version)
             if found is None:
                 continue
             entry, shared = found

@@ -58,10 +58,12 @@ Invariants:
   computed under old weights serves a request after a load, and a copied prefix
   equals a recomputed one. Under ``on_load="keep"`` (PipelineRL's in-flight weight
   updates) none of this is recomputed or dropped but the prompt logits: a running
-  request goes on over the keys/values it has, a kept or active prefix is copied
-  whatever weights computed it, and each request's version is the oldest of them, so
-  its behavior log-probs stay exact (they are of the distribution actually sampled) and
-  its staleness is counted from the oldest weights behind any of its tokens.
+  request goes on over the keys/values it has, a kept prefix of older weights still
+  serves its session's next turn (never a new start of a prompt, which is computed
+  afresh: see :mod:`dew.serving._prefix`), and each request's version is the oldest
+  weights behind any keys/values it attends to, so its behavior log-probs stay exact
+  (they are of the distribution actually sampled) and its staleness is counted from
+  the oldest weights behind any of its tokens.
 * A copy is private: once admitted, a request owns its slot's columns; an abort or
   finish of one sample of a group leaves its siblings' keys/values untouched.
 """
@@ -546,7 +548,10 @@ class RolloutServer(Engine):
             plan = [Row(r) for r in joiners]
         else:
             groups = [r.affinity for r in joiners]
-            plan = plan_admission(joiners, self._active, self._kept, groups)
+            # Recomputing at a load leaves no keys/values of older weights to guard
+            # against (a request's version still names the weights of its first tokens).
+            served = None if self._recompute else self._version
+            plan = plan_admission(joiners, self._active, self._kept, groups, served)
         try:
             copied = [row for row in plan if row.start == len(row.request.prompt)]
             if copied:  # resident identical prompts: nothing to compute
