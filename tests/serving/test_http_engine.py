@@ -65,13 +65,19 @@ def _in_table(engine: HTTPEngine, future: Future[Call]) -> bool:
 
 
 def _running(engine: HTTPEngine, count: int) -> None:
-    """Wait until ``count`` requests are in flight, then a little, so they reach the server
-    and generate (every test request is long enough to outlast this)."""
+    """Wait until the server holds ``count`` requests (its ``/health`` counts them), so
+    what the test does next meets them mid-generation. A fixed sleep here once let a
+    request of 900 tokens finish first, once the decode step got fast enough."""
     deadline = time.monotonic() + WAIT
-    while engine.in_flight < count:
-        assert time.monotonic() < deadline, "requests never went out"
-        time.sleep(0.005)
-    time.sleep(0.3)
+    while _held(engine) < count:
+        assert time.monotonic() < deadline, "requests never reached the server"
+        time.sleep(0.002)
+
+
+def _held(engine: HTTPEngine) -> int:
+    """Requests the server holds now."""
+    answer = engine._block(engine._request("GET", "/health", None, retry=True, short=True))
+    return int(answer["dew_in_flight"])
 
 
 # --------------------------------------------------------------------------- contract
