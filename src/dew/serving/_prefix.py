@@ -220,7 +220,8 @@ def plan_admission(
     for joiners with an affinity (``affinity[i]`` of ``joiners[i]``, None for none),
     the ``kept`` prefixes; a kept prefix chosen is pinned until the row has copied it.
     ``version``: the weights being served; an active request that is older (it went on
-    across a load) lends no prompt, and an older kept prefix serves continuations only."""
+    across a load) lends no prompt, and an older kept prefix serves continuations only
+    (None: every slot holds keys/values of the weights being served)."""
     rows: dict[tuple[int, ...], Row] = {}
     groups: dict[tuple[int, ...], Hashable] = {}
     for i, r in enumerate(joiners):
