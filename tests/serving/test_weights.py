@@ -19,6 +19,7 @@ from dew.serving import RolloutServer
 from dew.serving.weights import (
     BroadcastGroup,
     WeightsError,
+    join_group,
     read_weights,
     tensor_specs,
     weights_path,
@@ -220,3 +221,40 @@ def test_broadcast_between_processes(tmp_path: Path) -> None:
     got = json.loads(out.strip().splitlines()[-1])
     for name in names:
         assert got[name] == state[name].double().flatten().tolist()
+
+
+@pytest.mark.timeout(120)
+def test_a_finished_broadcast_holds_no_reference_to_its_tensor() -> None:
+    # gloo's worker thread lets go of a tensor a moment after wait() returns; a process
+    # that exits in that moment aborts (SIGABRT), as a receiver printing its last tensor
+    # did in CI. So each broadcast returns only once gloo let go. Without that wait,
+    # about a third of these 200 come back still held, on either end.
+    from dew.serving import weights
+
+    port = _free_port()
+    held: dict[str, list[int]] = {"sent": [], "received": []}
+    failed: list[BaseException] = []
+
+    def receive() -> None:
+        try:
+            joined = join_group("127.0.0.1", port, 1, 2, group_name="r", timeout=60)
+            for _ in range(200):
+                t = torch.empty(3)
+                weights._broadcast(joined.group, [t])
+                held["received"].append(t._use_count())
+        except BaseException as exc:  # re-raised below, on the test's thread
+            failed.append(exc)
+
+    receiver = threading.Thread(target=receive)
+    receiver.start()
+    try:
+        group = BroadcastGroup("127.0.0.1", port, 2, group_name="r", timeout=60)
+        for i in range(200):
+            t = torch.full((3,), float(i))
+            weights._broadcast(group._group, [t])
+            held["sent"].append(t._use_count())
+        group.close()
+    finally:
+        receiver.join(timeout=90)
+    assert not receiver.is_alive() and not failed, failed
+    assert held == {"sent": [1] * 200, "received": [1] * 200}

@@ -32,6 +32,7 @@ import json
 import os
 import struct
 import tempfile
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -287,12 +288,30 @@ def _connect(
     return store, group
 
 
-def _broadcast(group: Any, tensor: torch.Tensor) -> None:
+# How long, after its last tensor, a broadcast waits for gloo to let go of them all.
+_RELEASE_SECONDS = 1.0
+
+
+def _broadcast(group: Any, tensors: Sequence[torch.Tensor]) -> None:
+    """Broadcast each tensor from rank 0, in order; return once gloo let go of them."""
     import torch.distributed as dist
 
     opts = dist.BroadcastOptions()
     opts.rootRank = 0
-    group.broadcast([tensor], opts).wait()
+    held = [t._use_count() for t in tensors]
+    for t in tensors:
+        group.broadcast([t], opts).wait()
+    # wait() returns when the data arrived, but gloo's worker thread drops its
+    # references to the tensor a moment later. If the process exits in between, that
+    # thread needs the GIL to free a tensor Python owned, the finalizing interpreter
+    # ends it with pthread_exit, and the C++ runtime aborts the process ("terminate
+    # called without an active exception"): a receiver that exits right after its last
+    # tensor, or a trainer after its last publish, would die with SIGABRT. The wait is
+    # bounded because another thread of the caller may take a reference meanwhile.
+    deadline = time.monotonic() + _RELEASE_SECONDS
+    for t, count in zip(tensors, held, strict=True):
+        while t._use_count() > count and time.monotonic() < deadline:
+            time.sleep(0.0001)
 
 
 def _device_for(backend: str) -> str:
@@ -350,8 +369,8 @@ class BroadcastGroup:
     def broadcast(self, state: Any) -> None:
         """Send every tensor of ``state`` (in :func:`tensor_specs` order) to the engines."""
         device = _device_for(self.backend)
-        for t in _unique(_state_of(state)).values():
-            _broadcast(self._group, t.to(device).contiguous())
+        tensors = [t.to(device).contiguous() for t in _unique(_state_of(state)).values()]
+        _broadcast(self._group, tensors)
 
     def close(self) -> None:
         """Drop the group; engines that still hold it fail their next receive."""
@@ -413,9 +432,9 @@ def receive_tensors(
         )
     device = _device_for(joined.backend)
     kinds = [_torch_dtype(d) for d in dtypes]
-    out: dict[str, torch.Tensor] = {}
-    for name, dtype, shape in zip(names, kinds, shapes, strict=True):
-        t = torch.empty(tuple(int(d) for d in shape), dtype=dtype, device=device)
-        _broadcast(joined.group, t)
-        out[name] = t
-    return out
+    tensors = [
+        torch.empty(tuple(int(d) for d in shape), dtype=dtype, device=device)
+        for dtype, shape in zip(kinds, shapes, strict=True)
+    ]
+    _broadcast(joined.group, tensors)
+    return dict(zip(names, tensors, strict=True))
