@@ -21,10 +21,12 @@ share of the wall time the trainer waited for its batch (dew: the scheduler's wa
 TRL: generation and scoring, during which its trainer does not train) and the peak
 resident memory of the run's process (the fleet's engine processes not counted).
 Medians over the repetitions; ratios are other seconds over dew's (or dew's
-completions/s over the other's), so above 1 means dew is faster. A run that never
-reached the threshold counts as its whole length, so its ratio is a lower bound (">").
-``--save DIR`` keeps every run's raw result as JSON; ``--load DIR`` renders those
-again without running anything.
+completions/s over the other's), so above 1 means dew is faster, rounded down to two
+decimals, so that a ratio shown at a target meets it. A run that never reached the
+threshold counts as its whole length, so its ratio is a lower bound (">").
+``--save DIR`` keeps every run's raw result as JSON, and the command, wall time and
+load of the whole run; ``--load DIR`` renders those again without running anything
+(with ``--write``, under the saved run's command and times).
 
     .venv/bin/python bench/vs_trl_tail.py --seeds 0,1,2 --write
 
@@ -36,6 +38,10 @@ samples of at most 16 tokens) of everything once and writes nothing.
 from __future__ import annotations
 
 import argparse
+import datetime
+import json
+import math
+import os
 import statistics
 import sys
 import time
@@ -46,7 +52,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/_results.py, _vs_trl_*.py
 import _results
-from _results import run_lines, write_section, write_summary_row
+from _results import command_line, machine, write_section, write_summary_row
 from _vs_trl_common import WINDOW, RunResult, RunSpec
 from dew.demo.tail import Workload
 from vs_trl import median_reach, reach_cell, run_worker, speed_ratio, thread_text, threads_of
@@ -163,6 +169,11 @@ def load_task(task: str, runs: list[Run], folder: str) -> dict[str, list[RunResu
     return results
 
 
+def _down(ratio: float) -> str:
+    """``ratio`` with two decimals, rounded down: 1.7993 reads 1.79, never 1.80."""
+    return f"{math.floor(ratio * 100) / 100:.2f}x"
+
+
 def ratio_text(ours: list[RunResult], other: list[RunResult]) -> tuple[str, float | None]:
     """(text, ratio) of other's median seconds to the threshold over ours; a lower
     bound ('>') when other's median run never got there, counted at its whole length."""
@@ -173,8 +184,8 @@ def ratio_text(ours: list[RunResult], other: list[RunResult]) -> tuple[str, floa
         return "n/a (neither reached it)", None
     if ratio == float("inf"):
         bound = statistics.median(r.seconds for r in other) / mine
-        return f"> {bound:.2f}x (not reached in its run)", bound
-    return f"{ratio:.2f}x", ratio
+        return f"> {_down(bound)} (not reached in its run)", bound
+    return _down(ratio), ratio
 
 
 def report(task: str, runs: list[Run], results: dict[str, list[RunResult]]) -> tuple[str, list]:
@@ -213,7 +224,7 @@ def report(task: str, runs: list[Run], results: dict[str, list[RunResult]]) -> t
         lines.append(
             f"- {other} seconds to reward {threshold} / {ours}'s (medians): "
             f"{ratios[other][0]}; completions/s, {ours} / {other}: "
-            f"{rate(ours) / rate(other):.2f}x"
+            f"{_down(rate(ours) / rate(other))}"
         )
 
     def status(ratio: float | None, target: float) -> str:
@@ -224,19 +235,46 @@ def report(task: str, runs: list[Run], results: dict[str, list[RunResult]]) -> t
     rows = [
         (
             f"vs TRL, {task}: time to reward {threshold}",
-            f"{ours} vs TRL: {ratios[trl][0]} ({of}); completions/s {rate(ours) / rate(trl):.2f}x",
+            f"{ours} vs TRL: {ratios[trl][0]} ({of}); "
+            f"completions/s {_down(rate(ours) / rate(trl))}",
             f">= {TARGETS[task]:g}x",
             status(ratios[trl][1], TARGETS[task]),
         ),
         (
             f"async vs sync, {task}: time to reward {threshold}",
             f"{ours} vs dew sync: {ratios[sync][0]} ({of}); completions/s "
-            f"{rate(ours) / rate(sync):.2f}x",
+            f"{_down(rate(ours) / rate(sync))}",
             f">= {SYNC_TARGET:g}x",
             status(ratios[sync][1], SYNC_TARGET),
         ),
     ]
     return "\n".join(lines), rows
+
+
+# The file in a --save folder that says how its results were made.
+PROVENANCE = "run.json"
+
+
+def _provenance(args: argparse.Namespace, elapsed: float, saved: Path | None) -> dict:
+    """Command, machine, date, wall time and load of the run behind the figures: this
+    process's, or the saved run's (``saved``, a --save folder's file) when it has one."""
+    if saved is not None and saved.exists():
+        return json.loads(saved.read_text())
+    note = ""
+    if saved is not None:  # a render of runs whose own provenance was not kept
+        note = f" (a render of {saved.parent}, which has no {PROVENANCE})"
+    return {
+        "command": command_line("vs_trl_tail.py"),
+        "note": note,
+        "machine": machine(
+            f"torch {version('torch')} ({thread_text(args)})",
+            f"transformers {version('transformers')}",
+            f"trl {version('trl')}",
+        ),
+        "date": datetime.date.today().isoformat(),
+        "seconds": elapsed,
+        "load": os.getloadavg()[0],
+    }
 
 
 def main() -> None:
@@ -300,14 +338,19 @@ def main() -> None:
     for name, measured, target, status in rows:
         print(f"{name}: {measured}; target {target}: {status}")
     print(f"\nbench wall time: {elapsed:.0f} s")
+    if args.load:
+        run = _provenance(args, elapsed, Path(args.load) / PROVENANCE)
+    else:
+        run = _provenance(args, elapsed, None)
+        if args.save:
+            (Path(args.save) / PROVENANCE).write_text(json.dumps(run))
     if not args.write:
         return
-    lines = run_lines(
-        "vs_trl_tail.py",
-        elapsed,
-        f"torch {version('torch')} ({thread_text(args)})",
-        f"transformers {version('transformers')}",
-        f"trl {version('trl')}",
+    lines = (
+        f"- command: `{run['command']}`{run.get('note', '')}\n"
+        f"- machine: {run['machine']}\n"
+        f"- date: {run['date']}, wall time {run['seconds']:.0f} s, "
+        f"1-minute load average at the end {run['load']:.1f}\n"
     )
     write_section(
         "## vs trl: heavy-tailed workload\n\n"

@@ -6,7 +6,9 @@ step runs it.
 
 from __future__ import annotations
 
+import json
 import re
+from pathlib import Path
 
 import pytest
 
@@ -17,9 +19,14 @@ from ._tiny import run_tiny
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
-def test_vs_trl_tail_bench_tiny() -> None:
-    out = run_tiny("vs_trl_tail.py", 590, "--policy", "1,os=1")
+def test_vs_trl_tail_bench_tiny(tmp_path: Path) -> None:
+    out = run_tiny("vs_trl_tail.py", 590, "--policy", "1,os=1", "--save", str(tmp_path))
     text = out.stdout
+    # every run's result, and how they were made, for a later --load --write
+    assert len(list(tmp_path.glob("tail*-0.json"))) == 8
+    run = json.loads((tmp_path / "run.json").read_text())
+    assert run["command"].endswith("--tiny --policy 1,os=1 --save " + str(tmp_path))
+    assert run["seconds"] > 0 and "torch" in run["machine"]
     assert Workload().describe() in text  # the workload's parameters beside the figures
     runs = (
         "dew \\(ahead 1, os 1\\)",
