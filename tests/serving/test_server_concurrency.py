@@ -139,7 +139,7 @@ def test_thousands_of_aborts_leave_no_trace(qwen: torch.nn.Module) -> None:
         assert outcomes.count("engine") > 0
         stats = server.stats()
         assert (stats["pending"], stats["active"], stats["loads"]) == (0, 0, 0)
-        assert server._active == [] and not server._pending  # the tables themselves
+        assert server._batch.active == [] and not server._pending  # the tables themselves
         call = server.generate(
             [5, 6, 7], SamplingParams(max_tokens=4, temperature=0, stop_ids=())
         )  # still serving

@@ -27,7 +27,9 @@ them all. Each engine iteration:
    values are first copied to a kept slot, for its session's next call).
 
 Keys and values live in per-slot buffers (:mod:`dew.serving._kv`), so a step costs one
-forward over the active batch, with no cache concatenation.
+forward over the active batch, with no cache concatenation. Steps 2-4 are the work of
+:class:`~dew.serving._batch.ActiveBatch` (the active table, the slots, the kept
+prefixes, the sampler); this module keeps the queues, the weights and the thread.
 
 Invariants:
 
@@ -75,21 +77,14 @@ import threading
 import time
 from collections import deque
 from collections.abc import Hashable, Mapping, Sequence
-from collections.abc import Set as AbstractSet
 from concurrent.futures import Future
 
 import torch
 
 from dew.core import Aborted, Call, Engine, SamplingParams
-from dew.serving._kv import ModelCall, SlotCache, forward_decode, forward_prefill
-from dew.serving._prefix import (
-    Kept,
-    KeptPrefixes,
-    Row,
-    forward_extend,
-    keep_finished,
-    plan_admission,
-)
+from dew.serving._batch import ActiveBatch
+from dew.serving._kv import ModelCall, SlotCache
+from dew.serving._prefix import KeptPrefixes
 from dew.serving._requests import (
     CallFuture,
     Load,
@@ -97,9 +92,7 @@ from dew.serving._requests import (
     as_int,
     check_weights,
     make_request,
-    prefill_groups,
 )
-from dew.serving._sampling import RowSettings, sample, settings
 
 __all__ = ["ON_LOAD", "RolloutServer"]
 
@@ -176,9 +169,8 @@ class RolloutServer(Engine):
         kept = kept if share_prefixes else 0
         if on_load not in ON_LOAD:
             raise ValueError(f"on_load={on_load!r} is not one of {list(ON_LOAD)}")
-        self._recompute = on_load == "recompute"
         self._model = copy.deepcopy(model).eval().requires_grad_(False)
-        self._call = ModelCall(self._model)  # refuses unsupported attention kinds
+        call = ModelCall(self._model)  # refuses unsupported attention kinds
         self._targets = self._model.state_dict()  # shares storage with the copy
         self._vocab = int(config.vocab_size)
         gen = getattr(self._model, "generation_config", None)
@@ -189,12 +181,20 @@ class RolloutServer(Engine):
         )
         self._max_batch = max_batch
         self._max_len = max_len
-        self._device = next(self._model.parameters()).device
-        self._generator = torch.Generator(device=self._device).manual_seed(as_int(seed, "seed"))
-        layers = int(config.num_hidden_layers)
-        self._cache = SlotCache(layers, max_batch + kept, max_len, self._device)
-        # Slots max_batch .. max_batch + kept - 1 hold kept prefixes (engine thread only).
-        self._kept = KeptPrefixes(max_batch, kept) if kept else None
+        device = next(self._model.parameters()).device
+        generator = torch.Generator(device=device).manual_seed(as_int(seed, "seed"))
+        cache = SlotCache(int(config.num_hidden_layers), max_batch + kept, max_len, device)
+        # The engine thread's alone; slots max_batch and up hold kept prefixes.
+        self._batch = ActiveBatch(
+            call,
+            cache,
+            KeptPrefixes(max_batch, kept) if kept else None,
+            generator,
+            self._vocab,
+            device,
+            recompute=on_load == "recompute",
+            share=bool(share_prefixes),
+        )
 
         self._cond = threading.Condition()
         self._pending: deque[Request] = deque()  # guarded by _cond
@@ -203,11 +203,6 @@ class RolloutServer(Engine):
         self._broken: BaseException | None = None  # guarded by _cond
         self._version = version  # written by the engine under _cond
         self._iteration = 0  # written by the engine under _cond
-        self._active: list[Request] = []  # engine thread only; index = slot
-        self._rows: RowSettings | None = None  # engine thread only; cache of _active's settings
-        self._share = bool(share_prefixes)
-        self._served = 0  # written by the engine thread only: prompt tokens admitted
-        self._computed = 0  # ... and those of them run through the model
         self._thread = threading.Thread(target=self._run, name="RolloutServer-engine", daemon=True)
         self._thread.start()
 
@@ -247,15 +242,16 @@ class RolloutServer(Engine):
         were copied from a shared prefix, so for single-turn groups of G identical
         prompts admitted together, computed is served / G.
         """
+        batch = self._batch
         with self._cond:
             return {
                 "pending": len(self._pending),
-                "active": len(self._active),
+                "active": len(batch.active),
                 "loads": len(self._loads),
                 "iterations": self._iteration,
-                "prompt_tokens": self._served,
-                "prompt_tokens_computed": self._computed,
-                "kept": 0 if self._kept is None else len(self._kept),
+                "prompt_tokens": batch.served,
+                "prompt_tokens_computed": batch.computed,
+                "kept": 0 if batch.kept is None else len(batch.kept),
             }
 
     def load(self, variables: torch.nn.Module | Mapping[str, torch.Tensor], version: int) -> None:
@@ -373,15 +369,13 @@ class RolloutServer(Engine):
             waiting = [*self._pending, *self._loads]
             self._pending.clear()
             self._loads.clear()
-        jobs = [*self._active, *waiting]
-        self._active = []
-        self._drop_cache()
+        jobs = [*self._batch.clear(), *waiting]
         for job in jobs:
             self._resolve(job, error)
 
     @staticmethod
     def _resolve(job: Request | Load, error: BaseException | None = None) -> None:
-        """Settle a load, or fail a request (a request's success is set in ``_take``)."""
+        """Settle a load, or fail a request (a request's success is set by the batch)."""
         if isinstance(job, Load):
             job.error = error
             job.done.set()
@@ -392,7 +386,7 @@ class RolloutServer(Engine):
     def _iterate(self) -> bool:
         with self._cond:
             idle = False
-            while not (self._closed or self._pending or self._loads or self._active):
+            while not (self._closed or self._pending or self._loads or self._batch.active):
                 idle = True
                 self._cond.wait()
             if idle and self._pending and not self._loads:
@@ -404,47 +398,36 @@ class RolloutServer(Engine):
             dropped = [r for r in self._pending if r.stopped]
             if dropped:
                 self._pending = deque(r for r in self._pending if not r.stopped)
-            room = self._max_batch - len(self._active)
+            room = self._max_batch - len(self._batch.active)
             joiners = [self._pending.popleft() for _ in range(min(room, len(self._pending)))]
             self._iteration += 1
             iteration = self._iteration
+        batch = self._batch
         for job in loads:
-            for r in self._active:  # logits of the weights being replaced serve no one
-                r.prompt_logits = None
-            if self._kept is not None and self._recompute:  # nor do kept keys/values
-                self._kept.clear()
+            batch.before_load()
             self._apply(job)
-        dropped += [r for r in self._active if r.stopped]
-        self._remove(set(dropped))  # tables first: a caller that wakes up sees them clean
+        dropped += [r for r in batch.active if r.stopped]
+        batch.remove(set(dropped))  # tables first: a caller that wakes up sees them clean
         for r in dropped:
             self._resolve(
                 r, Aborted("generation stopped", tokens=len(r.completion), iteration=iteration)
             )
         try:
             # even a failed load may have changed some weights
-            if loads and self._active and self._recompute:
-                self._refill()
+            if loads and batch.recompute_after_load():
+                batch.refill()
             if joiners:
-                self._prefill(joiners)
-            if self._active:
-                self._decode()
+                batch.prefill(joiners, self._version)
+            if batch.active:
+                batch.decode(self._version)
         except Exception as exc:  # a failed step fails its requests, and the engine goes on
             failed = RuntimeError(f"RolloutServer model step failed: {exc!r}")
             failed.__cause__ = exc
-            hit = {*self._active, *joiners}
-            self._active = []
-            self._rows = None
-            self._drop_cache()
+            hit = {*batch.clear(), *joiners}
             for r in hit:
                 if not r.future.done():
                     self._resolve(r, failed)
         return True
-
-    def _drop_cache(self) -> None:
-        """Forget every slot's keys/values (after a failed step their contents are unknown)."""
-        self._cache.clear()
-        if self._kept is not None:
-            self._kept.clear()
 
     def _gather(self) -> None:  # caller holds _cond
         deadline = time.monotonic() + _GATHER
@@ -469,175 +452,6 @@ class RolloutServer(Engine):
             return False
         with self._cond:
             self._version = job.version
-        for r in self._active:
-            r.version = min(r.version, job.version)
+        self._batch.after_load(job.version)
         self._resolve(job)
         return True
-
-    def _remove(self, leaving: AbstractSet[Request]) -> None:
-        """Take ``leaving`` out of the active table, filling holes from the end."""
-        if not leaving:
-            return
-        active = self._active
-        keep = len(active) - sum(r in leaving for r in active)
-        holes = [i for i in range(keep) if active[i] in leaving]
-        movers = [i for i in range(keep, len(active)) if active[i] not in leaving]
-        if movers:
-            width = max(active[i].cached for i in movers) + 1
-            self._cache.move(movers, holes, width)
-        for h, m in zip(holes, movers, strict=True):
-            active[h] = active[m]
-        del active[keep:]
-        self._rows = None
-        for r in leaving:
-            r.prompt_logits = None
-
-    def _row_settings(self) -> RowSettings:
-        if self._rows is None:
-            a = self._active
-            self._rows = settings(
-                [r.temperature for r in a],
-                [r.top_k for r in a],
-                [r.top_p for r in a],
-                self._vocab,
-                self._device,
-            )
-        return self._rows
-
-    def _take(self, requests: Sequence[Request], logits: torch.Tensor, rows: RowSettings) -> None:
-        """Sample one token for each of ``requests`` from ``logits`` [n, V]; finish the
-        requests that are done."""
-        draw = sample(logits, rows, self._generator)
-        finished: dict[Request, Call] = {}
-        for r, tok, lp, sup in zip(
-            requests, draw.tokens, draw.log_probs, draw.support, strict=True
-        ):
-            r.completion.append(tok)
-            r.log_probs.append(lp)
-            if r.keeps_support:
-                assert sup is not None
-                r.support.append(sup)
-            if tok in r.stop_ids:
-                r.finish_reason = "stop"
-            elif len(r.completion) >= r.max_tokens:
-                r.finish_reason = "length"
-            else:
-                continue
-            finished[r] = Call(
-                prompt=r.prompt,
-                completion=r.completion,
-                log_probs=r.log_probs,
-                version=r.version,
-                temperature=r.temperature or 1.0,
-                support=r.support if r.keeps_support else None,
-                finish_reason=r.finish_reason,
-            )
-        if finished and self._kept is not None:
-            # the oldest weights behind their keys/values: the served ones, unless kept
-            served = self._version if self._recompute else None
-            keep_finished(self._kept, self._cache, list(finished), self._active, served)
-        self._remove(finished.keys())
-        for r, call in finished.items():
-            r.future.set_result(call)
-
-    def _prefill(self, joiners: list[Request]) -> None:
-        """Admit ``joiners``: compute each distinct prompt once (from its resident prefix
-        on, see :mod:`dew.serving._prefix`), copy it to its identical followers, and
-        sample every joiner's first token."""
-        if not self._share:
-            plan = [Row(r) for r in joiners]
-        else:
-            groups = [r.affinity for r in joiners]
-            # Recomputing at a load leaves no keys/values of older weights to guard
-            # against (a request's version still names the weights of its first tokens).
-            served = None if self._recompute else self._version
-            plan = plan_admission(joiners, self._active, self._kept, groups, served)
-        try:
-            copied = [row for row in plan if row.start == len(row.request.prompt)]
-            if copied:  # resident identical prompts: nothing to compute
-                self._admit(copied, None)
-            computed = [row for row in plan if row.start < len(row.request.prompt)]
-            for group in prefill_groups(computed, lambda row: row.new):
-                self._admit(group, group)
-        finally:
-            if self._kept is not None:  # what the plan copies from is copied by now
-                self._kept.release()
-
-    def _admit(self, rows: list[Row], forward: list[Row] | None) -> None:
-        """Put ``rows`` and their followers in the next slots, copy their resident
-        prefixes in, run ``forward`` (the rows themselves, or None when every row is a
-        whole copy) and sample each member's first token."""
-        first = len(self._active)
-        members = [row.request for row in rows]
-        source_of = list(range(len(rows)))  # member -> the row whose logits it draws from
-        for i, row in enumerate(rows):
-            members += row.followers
-            source_of += [i] * len(row.followers)
-        span = max(len(r.prompt) for r in members)
-        self._cache.reserve(first + len(members), span)
-        copies = [(row.source, first + i, row.start) for i, row in enumerate(rows)]
-        copies = [c for c in copies if c[0] is not None]
-        if copies:  # resident and kept prefixes into the new slots, before the forward
-            slot = {id(r): i for i, r in enumerate(self._active)}
-            self._cache.move(
-                [c[0].slot if isinstance(c[0], Kept) else slot[id(c[0])] for c in copies],
-                [c[1] for c in copies],
-                max(c[2] for c in copies),
-            )
-            if self._kept is not None:
-                for c in copies:
-                    if isinstance(c[0], Kept):
-                        self._kept.unpin(c[0])
-        if forward is None:
-            # whole copies come from active requests only (a kept prefix has no logits)
-            held = [row.source.prompt_logits for row in rows if isinstance(row.source, Request)]
-            logits = torch.stack([t for t in held if t is not None])  # [len(rows), V]
-            assert len(logits) == len(rows)
-        else:
-            logits = forward_extend(self._call, self._cache, forward, first)  # [len(rows), V]
-            self._computed += sum(row.new for row in rows)
-        if self._share:
-            for row, row_logits in zip(rows, logits, strict=True):
-                row.request.prompt_logits = row_logits
-        if len(members) > len(rows):  # identical prompts: copy the leader's columns
-            self._cache.move(
-                [first + i for i in source_of[len(rows) :]],
-                list(range(first + len(rows), first + len(members))),
-                span,
-            )
-            logits = logits[torch.tensor(source_of, device=self._device)]  # [m, V]
-        self._served += sum(len(r.prompt) for r in members)
-        for i, r in enumerate(members):
-            source = rows[source_of[i]].source
-            if source is None or self._recompute:
-                r.version = self._version
-            else:  # a prefix copied from keys/values of older weights ages the call
-                r.version = min(self._version, source.version)
-        self._active.extend(members)
-        self._rows = None
-        rows_settings = settings(
-            [r.temperature for r in members],
-            [r.top_k for r in members],
-            [r.top_p for r in members],
-            self._vocab,
-            self._device,
-        )
-        self._take(members, logits, rows_settings)
-
-    def _refill(self) -> None:
-        """Recompute every active request's keys/values under the weights just loaded, so
-        each later token is drawn from the new weights alone."""
-        slot = {id(r): i for i, r in enumerate(self._active)}
-        for group in prefill_groups(self._active, lambda r: r.cached):
-            forward_prefill(
-                self._call,
-                self._cache,
-                [r.prompt + r.completion[:-1] for r in group],
-                [slot[id(r)] for r in group],
-            )
-
-    def _decode(self) -> None:
-        active = list(self._active)
-        cols = [r.cached for r in active]
-        logits = forward_decode(self._call, self._cache, [r.completion[-1] for r in active], cols)
-        self._take(active, logits, self._row_settings())
