@@ -8,7 +8,9 @@ import os
 import platform
 import re
 import sys
+from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 RESULTS = Path(__file__).resolve().parent / "RESULTS.md"
 
@@ -40,15 +42,32 @@ def command_line(script: str) -> str:
     return " ".join([".venv/bin/python", f"bench/{script}", *sys.argv[1:]])
 
 
-def run_lines(script: str, seconds: float, *versions: str) -> str:
-    """A section's ``- command``, ``- machine`` and ``- date`` lines (with the wall time
-    and the load at the end, since these machines are shared)."""
+def provenance(script: str, seconds: float, *versions: str) -> dict[str, Any]:
+    """How this run was made: its command, machine, date, wall time and the load at the
+    end (these machines are shared); kept beside saved results for a later render."""
+    return {
+        "command": command_line(script),
+        "machine": machine(*versions),
+        "date": datetime.date.today().isoformat(),
+        "seconds": seconds,
+        "load": os.getloadavg()[0],
+    }
+
+
+def provenance_lines(run: Mapping[str, Any]) -> str:
+    """A section's ``- command``, ``- machine`` and ``- date`` lines for ``run``
+    (:func:`provenance`; an optional ``note`` follows the command)."""
     return (
-        f"- command: `{command_line(script)}`\n"
-        f"- machine: {machine(*versions)}\n"
-        f"- date: {datetime.date.today().isoformat()}, wall time {seconds:.0f} s, "
-        f"1-minute load average at the end {os.getloadavg()[0]:.1f}\n"
+        f"- command: `{run['command']}`{run.get('note', '')}\n"
+        f"- machine: {run['machine']}\n"
+        f"- date: {run['date']}, wall time {run['seconds']:.0f} s, "
+        f"1-minute load average at the end {run['load']:.1f}\n"
     )
+
+
+def run_lines(script: str, seconds: float, *versions: str) -> str:
+    """A section's ``- command``, ``- machine`` and ``- date`` lines for this run."""
+    return provenance_lines(provenance(script, seconds, *versions))
 
 
 def write_section(text: str, path: Path = RESULTS) -> None:

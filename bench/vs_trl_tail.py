@@ -38,10 +38,8 @@ samples of at most 16 tokens) of everything once and writes nothing.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import math
-import os
 import statistics
 import sys
 import time
@@ -52,7 +50,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/_results.py, _vs_trl_*.py
 import _results
-from _results import command_line, machine, write_section, write_summary_row
+from _results import provenance, provenance_lines, write_section, write_summary_row
 from _vs_trl_common import WINDOW, RunResult, RunSpec
 from dew.demo.tail import Workload
 from vs_trl import median_reach, reach_cell, run_worker, speed_ratio, thread_text, threads_of
@@ -260,21 +258,16 @@ def _provenance(args: argparse.Namespace, elapsed: float, saved: Path | None) ->
     process's, or the saved run's (``saved``, a --save folder's file) when it has one."""
     if saved is not None and saved.exists():
         return json.loads(saved.read_text())
-    note = ""
+    run = provenance(
+        "vs_trl_tail.py",
+        elapsed,
+        f"torch {version('torch')} ({thread_text(args)})",
+        f"transformers {version('transformers')}",
+        f"trl {version('trl')}",
+    )
     if saved is not None:  # a render of runs whose own provenance was not kept
-        note = f" (a render of {saved.parent}, which has no {PROVENANCE})"
-    return {
-        "command": command_line("vs_trl_tail.py"),
-        "note": note,
-        "machine": machine(
-            f"torch {version('torch')} ({thread_text(args)})",
-            f"transformers {version('transformers')}",
-            f"trl {version('trl')}",
-        ),
-        "date": datetime.date.today().isoformat(),
-        "seconds": elapsed,
-        "load": os.getloadavg()[0],
-    }
+        run["note"] = f" (a render of {saved.parent}, which has no {PROVENANCE})"
+    return run
 
 
 def main() -> None:
@@ -346,12 +339,7 @@ def main() -> None:
             (Path(args.save) / PROVENANCE).write_text(json.dumps(run))
     if not args.write:
         return
-    lines = (
-        f"- command: `{run['command']}`{run.get('note', '')}\n"
-        f"- machine: {run['machine']}\n"
-        f"- date: {run['date']}, wall time {run['seconds']:.0f} s, "
-        f"1-minute load average at the end {run['load']:.1f}\n"
-    )
+    lines = provenance_lines(run)
     write_section(
         "## vs trl: heavy-tailed workload\n\n"
         f"{__doc__.split(chr(10) + chr(10))[2]}\n\n{lines}"
