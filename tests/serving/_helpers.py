@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from collections.abc import Callable
@@ -11,6 +12,13 @@ import torch
 from dew.demo.model import make_model
 
 WAIT = 60.0  # seconds; the bound on every wait for an engine event in these tests
+
+
+def chaos_seed() -> int:
+    """The seed of a chaos test: ``DEW_CHAOS_SEED`` to replay one a failure named, else
+    the clock (each run lands its faults somewhere new)."""
+    given = os.environ.get("DEW_CHAOS_SEED")
+    return int(given) if given else int(time.time())
 
 
 def lively(arch: str, seed: int) -> torch.nn.Module:

@@ -35,7 +35,7 @@ from ._fleet_helpers import (
     train,
     wait_for,
 )
-from ._helpers import WAIT, lively
+from ._helpers import WAIT, chaos_seed, lively
 
 LONG = SamplingParams(max_tokens=900, stop_ids=())  # far longer than any test waits
 SHORT = SamplingParams(max_tokens=4, stop_ids=())
@@ -150,7 +150,7 @@ def test_a_fleet_of_two_trains_the_demo_task(tmp_path: Path) -> None:
 @pytest.mark.timeout(600)
 def test_chaos_a_member_killed_mid_run(tmp_path: Path) -> None:
     steps = 16
-    seed = int(time.time())
+    seed = chaos_seed()
     rng = random.Random(seed)
     kill_at = rng.randint(2, steps - 6)  # after this many steps, plus a random delay
     delay = rng.uniform(0.0, 0.3)
@@ -166,11 +166,19 @@ def test_chaos_a_member_killed_mid_run(tmp_path: Path) -> None:
             while len(seen) < kill_at and time.monotonic() < deadline:
                 time.sleep(0.01)
             time.sleep(delay)
-            # Land while the victim itself has calls in flight (the fleet's count may
-            # all be the other member's, whose calls the kill does not touch).
-            while fleet.members()[index].in_flight == 0 and time.monotonic() < deadline:
-                time.sleep(0.001)
             assert victim.pid is not None
+            # Land while the victim holds calls it has not answered. A call in flight at
+            # the kill is not enough: its answer may sit in the socket already, and the
+            # fleet reads it after the process is gone. So freeze the victim, give the
+            # fleet time to read what was sent, and kill only if calls still wait on it.
+            while time.monotonic() < deadline:
+                while fleet.members()[index].in_flight == 0 and time.monotonic() < deadline:
+                    time.sleep(0.001)
+                os.kill(victim.pid, signal.SIGSTOP)
+                time.sleep(0.5)
+                if fleet.members()[index].in_flight > 0:
+                    break
+                os.kill(victim.pid, signal.SIGCONT)
             os.kill(victim.pid, signal.SIGKILL)
             killed.append(len(seen))
 

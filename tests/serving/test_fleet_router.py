@@ -36,7 +36,7 @@ from ._fleet_helpers import (
     train,
     wait_for,
 )
-from ._helpers import WAIT, lively
+from ._helpers import WAIT, chaos_seed, lively
 
 LONG = SamplingParams(max_tokens=900, stop_ids=())
 SHORT = SamplingParams(max_tokens=4, stop_ids=())
@@ -178,7 +178,7 @@ def test_router_policy_is_checked() -> None:
 @pytest.mark.timeout(600)
 def test_a_fleet_behind_sglang_router_trains_through_a_killed_worker(tmp_path: Path) -> None:
     steps = 24
-    seed = int(time.time())
+    seed = chaos_seed()
     rng = random.Random(seed)
     kill_at = rng.randint(3, 10)
     note = f"seed {seed}: SIGKILL after step {kill_at}"
