@@ -8,6 +8,7 @@ import struct
 import subprocess
 import sys
 import threading
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -258,3 +259,84 @@ def test_a_finished_broadcast_holds_no_reference_to_its_tensor() -> None:
         receiver.join(timeout=90)
     assert not receiver.is_alive() and not failed, failed
     assert held == {"sent": [1] * 200, "received": [1] * 200}
+
+
+def test_buckets_hold_copies_up_to_the_budget_and_skip_what_needs_none() -> None:
+    from dew.serving.weights import _buckets
+
+    # [8, 4] float32 transposed: not contiguous, so each costs a 128-byte copy
+    copies = [torch.arange(32.0).reshape(8, 4).t() + i for i in range(5)]
+    plain = torch.ones(1000)  # contiguous on the device already: sent as it is, free
+    tensors = [copies[0], plain, copies[1], copies[2], copies[3], copies[4]]
+    out = list(_buckets(tensors, "cpu", 256))
+    assert [len(b) for b in out] == [3, 2, 1]  # 256 bytes of copies close a bucket
+    sent = [t for b in out for t in b]
+    assert sent[1] is plain and all(t.is_contiguous() for t in sent)
+    assert all(torch.equal(a, b) for a, b in zip(sent, tensors, strict=True))
+    # a tensor past the budget on its own is a bucket of its own
+    assert [len(b) for b in _buckets(copies[:3], "cpu", 1)] == [1, 1, 1]
+    with pytest.raises(ValueError, match="bucket_bytes=0 must be >= 1"):
+        BroadcastGroup("127.0.0.1", 1, 2, bucket_bytes=0)
+    with pytest.raises(ValueError, match="bucket_bytes must be an int, got True"):
+        BroadcastGroup("127.0.0.1", 1, 2, bucket_bytes=True)
+
+
+@pytest.mark.timeout(120)
+def test_a_broadcast_copies_one_bucket_at_a_time(monkeypatch: pytest.MonkeyPatch) -> None:
+    # A state that needs copies (here: non-contiguous tensors; on a GPU: a CPU state over
+    # NCCL) is copied and sent bucket_bytes at a time: when a bucket goes out, no copy of
+    # an earlier one is alive, so the whole model is never copied at once.
+    import weakref
+
+    from dew.serving import weights
+
+    state = {f"w{i}": torch.randn(8, 4).t() for i in range(6)}  # 128 bytes to copy each
+    names, dtypes, shapes = tensor_specs(state)
+    sent: list[int] = []
+    alive: list[int] = []
+    earlier: list[weakref.ref[torch.Tensor]] = []
+    real = weights._broadcast
+    sender = threading.get_ident()
+
+    def spy(group: object, tensors: list[torch.Tensor]) -> None:
+        if threading.get_ident() == sender:
+            alive.append(sum(r() is not None for r in earlier))
+            sent.append(len(tensors))
+            earlier.extend(weakref.ref(t) for t in tensors)
+        real(group, tensors)
+
+    # and when a copy is made, none of a bucket already sent is alive either
+    at_copy: list[int] = []
+    unique = weights._unique
+
+    class Watched(dict[str, torch.Tensor]):
+        def values(self) -> Iterator[torch.Tensor]:  # type: ignore[override]
+            for t in super().values():
+                at_copy.append(sum(r() is not None for r in earlier))
+                yield t
+
+    monkeypatch.setattr(weights, "_broadcast", spy)
+    monkeypatch.setattr(weights, "_unique", lambda state: Watched(unique(state)))
+    port = _free_port()
+    got: dict[str, torch.Tensor] = {}
+    failed: list[BaseException] = []
+
+    def receive() -> None:
+        try:
+            joined = join_group("127.0.0.1", port, 1, 2, group_name="b", timeout=60)
+            got.update(weights.receive_tensors(joined, names, dtypes, shapes))
+        except BaseException as exc:  # re-raised below, on the test's thread
+            failed.append(exc)
+
+    receiver = threading.Thread(target=receive)
+    receiver.start()
+    try:
+        group = BroadcastGroup("127.0.0.1", port, 2, group_name="b", timeout=60, bucket_bytes=256)
+        assert group.bucket_bytes == 256
+        group.broadcast(state)
+        group.close()
+    finally:
+        receiver.join(timeout=90)
+    assert not receiver.is_alive() and not failed, failed
+    assert sent == [2, 2, 2] and alive == [0, 0, 0] and at_copy == [0] * 6
+    assert all(torch.equal(got[n], state[n]) for n in names)

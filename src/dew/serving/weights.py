@@ -19,6 +19,8 @@ Two paths carry the trainer's state dict to every engine under a version number:
   on CPU, NCCL on GPU; the same code), each engine joins it with :func:`join_group` at
   its rank, and :meth:`BroadcastGroup.broadcast` sends the tensors in the order the
   engines were told (:func:`tensor_specs`), which :func:`receive_tensors` receives.
+  Tensors that must be copied to reach the backend's device (a CPU state over NCCL)
+  are copied and sent ``bucket_bytes`` at a time, never the whole model at once.
   The group is built from public ``torch.distributed`` pieces (a ``TCPStore`` and the
   backend's process group class) and never touches the default group, so a trainer
   already inside a ``torchrun`` group keeps it, and an engine process stays free of one.
@@ -33,10 +35,12 @@ import os
 import struct
 import tempfile
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+
+from dew.core._checks import as_int
 
 if TYPE_CHECKING:
     import torch
@@ -318,6 +322,31 @@ def _device_for(backend: str) -> str:
     return "cuda" if backend == "nccl" else "cpu"
 
 
+# The bytes of copies a trainer's broadcast holds at once (a CPU state sent over NCCL
+# is copied to the device tensor by tensor): past this, the copies made so far are
+# sent and dropped before more are made, so no copy of the whole model ever exists.
+_BUCKET_BYTES = 256 << 20
+
+
+def _buckets(
+    tensors: Iterable[torch.Tensor], device: str, bucket_bytes: int
+) -> Iterator[list[torch.Tensor]]:
+    """``tensors`` as the backend sends them (on ``device``, contiguous), in order, in
+    runs whose copies add up to at least ``bucket_bytes`` (but the last); a tensor that
+    needs no copy costs nothing."""
+    bucket: list[torch.Tensor] = []
+    copied = 0
+    for t in tensors:
+        bucket.append(t.to(device).contiguous())  # no local name: none outlives its bucket
+        if bucket[-1] is not t:
+            copied += bucket[-1].numel() * bucket[-1].element_size()
+        if copied >= bucket_bytes:
+            yield bucket
+            bucket, copied = [], 0
+    if bucket:
+        yield bucket
+
+
 def tensor_specs(state: Any) -> tuple[list[str], list[str], list[list[int]]]:
     """(names, dtypes, shapes) of ``state``, one entry per storage, in broadcast order:
     the body fields of ``/update_weights_from_distributed``."""
@@ -348,6 +377,8 @@ class BroadcastGroup:
     machine the engines reach). The constructor blocks until every engine has joined
     (:func:`join_group`, through ``/init_weights_update_group``), so ask the engines
     to join from another thread, or before, within ``timeout`` seconds.
+    ``bucket_bytes`` bounds the copies a broadcast holds at once, where tensors must be
+    copied to reach the backend's device (256 MiB by default).
     """
 
     def __init__(
@@ -359,18 +390,25 @@ class BroadcastGroup:
         backend: str = "gloo",
         group_name: str = "dew",
         timeout: float = 300.0,
+        bucket_bytes: int = _BUCKET_BYTES,
     ) -> None:
+        bucket_bytes = as_int(bucket_bytes, "bucket_bytes")
+        if bucket_bytes < 1:
+            raise ValueError(f"bucket_bytes={bucket_bytes} must be >= 1")
         self.backend = backend
         self.world_size = world_size
+        self.bucket_bytes = bucket_bytes
         self._store, self._group = _connect(
             address, port, 0, world_size, backend, group_name, timeout
         )
 
     def broadcast(self, state: Any) -> None:
-        """Send every tensor of ``state`` (in :func:`tensor_specs` order) to the engines."""
+        """Send every tensor of ``state`` (in :func:`tensor_specs` order) to the engines;
+        copies to the backend's device are made and dropped ``bucket_bytes`` at a time."""
         device = _device_for(self.backend)
-        tensors = [t.to(device).contiguous() for t in _unique(_state_of(state)).values()]
-        _broadcast(self._group, tensors)
+        for bucket in _buckets(_unique(_state_of(state)).values(), device, self.bucket_bytes):
+            _broadcast(self._group, bucket)
+            del bucket  # before the next is made: at most one bucket of copies lives
 
     def close(self) -> None:
         """Drop the group; engines that still hold it fail their next receive."""
