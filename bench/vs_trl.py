@@ -23,11 +23,15 @@ Every run is its own process (``_vs_trl_worker.py``), one after another, never t
 once, each with torch pinned to ``--threads`` threads (and OMP/MKL_NUM_THREADS set to
 the same). ``--write`` replaces the ``## vs trl`` section of bench/RESULTS.md and its
 summary rows; ``--tiny`` runs every part for a few steps on one seed and writes nothing.
+``--save DIR`` keeps every run's result as JSON, and the command, machine, wall time
+and load of the whole run; ``--load DIR`` renders them again without running anything
+(with the saved runs' settings, and with ``--write`` under the saved run's command).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
 import subprocess
@@ -39,10 +43,11 @@ from dataclasses import dataclass
 from importlib.metadata import version
 from importlib.util import find_spec
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/_results.py, _vs_trl_*.py
 import _results
-from _results import run_lines, write_section, write_summary_row
+from _results import provenance, provenance_lines, write_section, write_summary_row
 from _vs_trl_common import THRESHOLD, WINDOW, RunResult, RunSpec
 
 BENCH = Path(__file__).resolve().parent
@@ -82,6 +87,48 @@ def run_worker(spec: RunSpec, timeout: float) -> RunResult:
                 f"(exit {proc.returncode}):\n{proc.stderr[-4000:]}"
             )
         return RunResult.from_json(out.read_text())
+
+
+# The file in a --save folder that says how its results were made.
+PROVENANCE = "run.json"
+
+
+def save_result(folder: str, part: str, label: str, result: RunResult) -> None:
+    """Keep one run's result in ``folder`` (``--save``), named by part, label and seed."""
+    name = f"{part}-{label}-{result.spec.seed}.json".replace(" ", "_")
+    (Path(folder) / name).write_text(result.to_json())
+
+
+def load_results(
+    folder: str, part: str, labels: Sequence[str], *, every: bool = False
+) -> dict[str, list[RunResult]]:
+    """The results :func:`save_result` kept for ``part`` (``--load``), by label, in seed
+    order; a label with none saved is left out, unless ``every`` label must have some."""
+    results: dict[str, list[RunResult]] = {}
+    for label in labels:
+        pattern = f"{part}-{label}-*.json".replace(" ", "_")
+        found = [RunResult.from_json(p.read_text()) for p in Path(folder).glob(pattern)]
+        if found:
+            results[label] = sorted(found, key=lambda r: r.spec.seed)
+    missing = [label for label in labels if label not in results]
+    if not results or (every and missing):
+        raise SystemExit(f"--load {folder}: no saved {part} results of {missing}")
+    return results
+
+
+def run_provenance(
+    script: str, elapsed: float, versions: Sequence[str], loaded: str | None
+) -> dict[str, Any]:
+    """Command, machine, date, wall time and load of the run behind the figures: this
+    process's, or the saved run's when rendering a ``--save`` folder (``loaded``) that
+    kept them."""
+    saved = None if loaded is None else Path(loaded) / PROVENANCE
+    if saved is not None and saved.exists():
+        return json.loads(saved.read_text())
+    run = provenance(script, elapsed, *versions)
+    if loaded is not None:  # a render of runs whose own provenance was not kept
+        run["note"] = f" (a render of {loaded}, which has no {PROVENANCE})"
+    return run
 
 
 def _progress(label: str, result: RunResult) -> None:
@@ -277,6 +324,8 @@ def run_single(seeds: list[int], args: argparse.Namespace) -> dict[str, list[Run
                 stop_at_reward=True,
             )
             result = run_worker(spec, timeout=args.max_seconds + 300)
+            if args.save:
+                save_result(args.save, "single", system, result)
             _progress(NAMES[system], result)
             results[system].append(result)
     return results
@@ -299,6 +348,8 @@ def run_multi(seeds: list[int], args: argparse.Namespace) -> dict[str, list[RunR
                 latency=args.latency,
             )
             result = run_worker(spec, timeout=args.mt_steps * 10 + 300)
+            if args.save:
+                save_result(args.save, "multi", label, result)
             _progress(label, result)
             results[label].append(result)
     return results
@@ -330,6 +381,22 @@ def method(args: argparse.Namespace) -> str:
     )
 
 
+def _settings_of(
+    args: argparse.Namespace,
+    singles: dict[str, list[RunResult]],
+    multis: dict[str, list[RunResult]],
+) -> None:
+    """Set the run's settings in ``args`` from saved results (``--load``), so the section
+    describes the runs it shows, not this command's defaults."""
+    one = next(iter(singles.values()))[0].spec
+    args.max_seconds, args.max_steps = one.max_seconds, one.max_steps
+    many = next(iter(multis.values()))[0].spec
+    args.mt_steps, args.latency = many.max_steps, many.latency
+    threads = {r.spec.system: r.spec.threads for rs in singles.values() for r in rs}
+    args.threads = threads.get("trl", one.threads)
+    args.dew_threads = threads.get("dew", one.threads)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--seeds", default="0,1,2", help="seeds of the single-turn runs")
@@ -342,6 +409,8 @@ def main() -> None:
     ap.add_argument("--max-steps", type=int, default=5000, help="step cap per single-turn run")
     ap.add_argument("--mt-steps", type=int, default=400, help="steps of every two-turn run")
     ap.add_argument("--latency", type=float, default=0.02, help="seconds per environment step")
+    ap.add_argument("--save", default=None, help="folder to keep every run's result in")
+    ap.add_argument("--load", default=None, help="render the results saved in this folder")
     ap.add_argument("--tiny", action="store_true", help="a few steps of everything, no write")
     ap.add_argument("--write", action="store_true", help="update bench/RESULTS.md")
     args = ap.parse_args()
@@ -358,10 +427,21 @@ def main() -> None:
         raise SystemExit(
             "trl is not installed here; it comes with the dev extra: pip install -e '.[dev]'"
         )
+    if args.save:
+        Path(args.save).mkdir(parents=True, exist_ok=True)
 
     t0 = time.monotonic()
-    single = single_report(run_single(seeds, args))
-    multi = multi_report(run_multi(mt_seeds, args), args.latency)
+    if args.load:
+        singles = load_results(args.load, "single", list(NAMES), every=True)
+        labels = [label for label, _, _ in MULTI_RUNS]
+        multis = load_results(args.load, "multi", labels, every=True)
+        _settings_of(args, singles, multis)
+        seeds = sorted({r.spec.seed for rs in singles.values() for r in rs})
+        mt_seeds = sorted({r.spec.seed for rs in multis.values() for r in rs})
+    else:
+        singles, multis = run_single(seeds, args), run_multi(mt_seeds, args)
+    single = single_report(singles)
+    multi = multi_report(multis, args.latency)
     elapsed = time.monotonic() - t0
     body = (
         f"### single-turn copy task (seeds {','.join(map(str, seeds))})\n\n{single.text}\n\n"
@@ -372,15 +452,17 @@ def main() -> None:
     for name, measured, target, status in single.rows + multi.rows:
         print(f"{name}: {measured}; target {target}: {status}")
     print(f"\nbench wall time: {elapsed:.0f} s ({thread_text(args)})")
-    if not args.write:
-        return
-    lines = run_lines(
-        "vs_trl.py",
-        elapsed,
+    versions = (
         f"torch {version('torch')} ({thread_text(args)})",
         f"transformers {version('transformers')}",
         f"trl {version('trl')}",
     )
+    run = run_provenance("vs_trl.py", elapsed, versions, args.load)
+    if args.save and not args.load:
+        (Path(args.save) / PROVENANCE).write_text(json.dumps(run))
+    if not args.write:
+        return
+    lines = provenance_lines(run)
     write_section(f"## vs trl\n\n{method(args)}\n\n{lines}\n{body}")
     for row in single.rows + multi.rows:
         write_summary_row(*row)

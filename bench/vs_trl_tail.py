@@ -50,10 +50,21 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/_results.py, _vs_trl_*.py
 import _results
-from _results import provenance, provenance_lines, write_section, write_summary_row
+from _results import provenance_lines, write_section, write_summary_row
 from _vs_trl_common import WINDOW, RunResult, RunSpec
 from dew.demo.tail import Workload
-from vs_trl import median_reach, reach_cell, run_worker, speed_ratio, thread_text, threads_of
+from vs_trl import (
+    PROVENANCE,
+    load_results,
+    median_reach,
+    reach_cell,
+    run_provenance,
+    run_worker,
+    save_result,
+    speed_ratio,
+    thread_text,
+    threads_of,
+)
 
 RESULTS = _results.RESULTS
 # The reward each task's runs race to, well above what an untrained model scores (about
@@ -141,8 +152,7 @@ def run_task(task: str, runs: list[Run], args: argparse.Namespace) -> dict[str, 
             )
             result = run_worker(spec, timeout=args.max_seconds + 300)
             if args.save:
-                name = f"{task}-{run.label}-{seed}.json".replace(" ", "_")
-                (Path(args.save) / name).write_text(result.to_json())
+                save_result(args.save, task, run.label, result)
             print(
                 f"  {task} {run.label} seed {seed}: {result.steps} steps in "
                 f"{result.seconds:.1f} s, {reach_cell(result)}, idle "
@@ -151,19 +161,6 @@ def run_task(task: str, runs: list[Run], args: argparse.Namespace) -> dict[str, 
                 flush=True,
             )
             results[run.label].append(result)
-    return results
-
-
-def load_task(task: str, runs: list[Run], folder: str) -> dict[str, list[RunResult]]:
-    """The saved results of ``task`` (``--load``), by run label, in seed order."""
-    results: dict[str, list[RunResult]] = {}
-    for run in runs:
-        pattern = f"{task}-{run.label}-*.json".replace(" ", "_")
-        found = [RunResult.from_json(p.read_text()) for p in Path(folder).glob(pattern)]
-        if found:
-            results[run.label] = sorted(found, key=lambda r: r.spec.seed)
-    if not results:
-        raise SystemExit(f"--load {folder}: no saved {task} results")
     return results
 
 
@@ -249,27 +246,6 @@ def report(task: str, runs: list[Run], results: dict[str, list[RunResult]]) -> t
     return "\n".join(lines), rows
 
 
-# The file in a --save folder that says how its results were made.
-PROVENANCE = "run.json"
-
-
-def _provenance(args: argparse.Namespace, elapsed: float, saved: Path | None) -> dict:
-    """Command, machine, date, wall time and load of the run behind the figures: this
-    process's, or the saved run's (``saved``, a --save folder's file) when it has one."""
-    if saved is not None and saved.exists():
-        return json.loads(saved.read_text())
-    run = provenance(
-        "vs_trl_tail.py",
-        elapsed,
-        f"torch {version('torch')} ({thread_text(args)})",
-        f"transformers {version('transformers')}",
-        f"trl {version('trl')}",
-    )
-    if saved is not None:  # a render of runs whose own provenance was not kept
-        run["note"] = f" (a render of {saved.parent}, which has no {PROVENANCE})"
-    return run
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--tasks", default="tail,tail-turns", help="comma-separated tasks")
@@ -317,7 +293,7 @@ def main() -> None:
     body, rows = [], []
     for task in tasks:
         if args.load:
-            results = load_task(task, runs, args.load)
+            results = load_results(args.load, task, [run.label for run in runs])
         else:
             results = run_task(task, runs, args)
         seeds = sorted({r.spec.seed for rs in results.values() for r in rs})
@@ -331,12 +307,14 @@ def main() -> None:
     for name, measured, target, status in rows:
         print(f"{name}: {measured}; target {target}: {status}")
     print(f"\nbench wall time: {elapsed:.0f} s")
-    if args.load:
-        run = _provenance(args, elapsed, Path(args.load) / PROVENANCE)
-    else:
-        run = _provenance(args, elapsed, None)
-        if args.save:
-            (Path(args.save) / PROVENANCE).write_text(json.dumps(run))
+    versions = (
+        f"torch {version('torch')} ({thread_text(args)})",
+        f"transformers {version('transformers')}",
+        f"trl {version('trl')}",
+    )
+    run = run_provenance("vs_trl_tail.py", elapsed, versions, args.load)
+    if args.save and not args.load:
+        (Path(args.save) / PROVENANCE).write_text(json.dumps(run))
     if not args.write:
         return
     lines = provenance_lines(run)

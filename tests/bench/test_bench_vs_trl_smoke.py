@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import importlib.util
+import json
 import re
+import subprocess
 import sys
+from pathlib import Path
 from types import ModuleType
 
 import pytest
@@ -100,10 +103,31 @@ def test_two_turn_env_scores_each_turn_with_the_demo_verifier() -> None:
     assert two_turn_max_chain(tokenizer, 3) > 2 * 3 + len(first)
 
 
+def _figures(text: str) -> list[str]:
+    """The headings, table rows and ratio lines of a vs_trl.py report."""
+    return [line for line in text.splitlines() if line.startswith(("###", "|", "- "))]
+
+
 @pytest.mark.timeout(180)
-def test_vs_trl_bench_tiny() -> None:
-    out = run_tiny("vs_trl.py", timeout=170)
+def test_vs_trl_bench_tiny(tmp_path: Path) -> None:
+    out = run_tiny("vs_trl.py", 150, "--latency", "0.01", "--save", str(tmp_path))
     text = out.stdout
+    assert "### two-turn copy task, 10 ms environment latency" in text
+    # every run's result and how they were made; --load renders the same figures again
+    assert len(list(tmp_path.glob("*-0.json"))) == 5
+    run = json.loads((tmp_path / "run.json").read_text())
+    assert run["command"].endswith(f"--tiny --latency 0.01 --save {tmp_path}")
+    assert run["seconds"] > 0
+    again = subprocess.run(
+        [sys.executable, str(BENCH / "vs_trl.py"), "--load", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=25,
+        check=False,
+    )
+    assert again.returncode == 0, again.stderr[-3000:]
+    # the settings are the saved runs' (10 ms latency here), not this command's defaults
+    assert _figures(again.stdout) == _figures(text) and len(_figures(text)) > 10
     rate = r"[\d,]+"
     for system in ("dew", "TRL"):
         row = re.search(
