@@ -2,8 +2,9 @@
 
 ``dew plan`` models one engine iteration as ``a + b * active`` seconds. This script
 measures it: for each count of concurrent requests it times a short and a long decode
-(same prompts, no stop token) on a fresh server, so that the difference is pure decode
-iterations, and divides by the extra tokens per request. A least-squares line through
+(same prompts, no stop token) on a fresh server, three times each, so that the
+difference of the fastest of each is pure decode iterations, and divides by the extra
+tokens per request. A least-squares line through
 those per-iteration times gives ``a`` (the fixed cost: Python, kernel launches, the
 weights read once per step) and ``b`` (the cost of one more sequence in the batch).
 
@@ -45,10 +46,13 @@ def iteration_seconds(size: str, active: int, short: int, long: int, seed: int) 
     prompts = [rng.integers(4, vocab, size=16).tolist() for _ in range(active)]
     with RolloutServer(model, max_batch=max(active, 1), seed=seed) as server:
         _decode(server, prompts, short)  # warm-up
-        best = min(
-            _decode(server, prompts, long) - _decode(server, prompts, short) for _ in range(3)
-        )
-    return best / (long - short)
+        shorts, longs = [], []
+        for _ in range(3):  # alternating, so both see the same background load
+            shorts.append(_decode(server, prompts, short))
+            longs.append(_decode(server, prompts, long))
+    # The fastest of each, not the fastest difference: a difference whose short decode
+    # was slowed by other work comes out too small, on a loaded machine even negative.
+    return (min(longs) - min(shorts)) / (long - short)
 
 
 def main() -> None:
