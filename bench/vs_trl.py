@@ -116,18 +116,24 @@ def load_results(
     return results
 
 
-def run_provenance(
-    script: str, elapsed: float, versions: Sequence[str], loaded: str | None
-) -> dict[str, Any]:
+def run_provenance(script: str, elapsed: float, args: argparse.Namespace) -> dict[str, Any]:
     """Command, machine, date, wall time and load of the run behind the figures: this
-    process's, or the saved run's when rendering a ``--save`` folder (``loaded``) that
-    kept them."""
-    saved = None if loaded is None else Path(loaded) / PROVENANCE
+    process's (kept in the ``--save`` folder), or, rendering a ``--load`` folder, the
+    saved run's when it kept them."""
+    saved = None if args.load is None else Path(args.load) / PROVENANCE
     if saved is not None and saved.exists():
         return json.loads(saved.read_text())
-    run = provenance(script, elapsed, *versions)
-    if loaded is not None:  # a render of runs whose own provenance was not kept
-        run["note"] = f" (a render of {loaded}, which has no {PROVENANCE})"
+    run = provenance(
+        script,
+        elapsed,
+        f"torch {version('torch')} ({thread_text(args)})",
+        f"transformers {version('transformers')}",
+        f"trl {version('trl')}",
+    )
+    if args.load is not None:  # a render of runs whose own provenance was not kept
+        run["note"] = f" (a render of {args.load}, which has no {PROVENANCE})"
+    elif args.save:
+        (Path(args.save) / PROVENANCE).write_text(json.dumps(run))
     return run
 
 
@@ -452,14 +458,7 @@ def main() -> None:
     for name, measured, target, status in single.rows + multi.rows:
         print(f"{name}: {measured}; target {target}: {status}")
     print(f"\nbench wall time: {elapsed:.0f} s ({thread_text(args)})")
-    versions = (
-        f"torch {version('torch')} ({thread_text(args)})",
-        f"transformers {version('transformers')}",
-        f"trl {version('trl')}",
-    )
-    run = run_provenance("vs_trl.py", elapsed, versions, args.load)
-    if args.save and not args.load:
-        (Path(args.save) / PROVENANCE).write_text(json.dumps(run))
+    run = run_provenance("vs_trl.py", elapsed, args)
     if not args.write:
         return
     lines = provenance_lines(run)

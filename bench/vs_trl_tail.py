@@ -38,13 +38,11 @@ samples of at most 16 tokens) of everything once and writes nothing.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import statistics
 import sys
 import time
 from dataclasses import dataclass
-from importlib.metadata import version
 from importlib.util import find_spec
 from pathlib import Path
 
@@ -54,7 +52,6 @@ from _results import provenance_lines, write_section, write_summary_row
 from _vs_trl_common import WINDOW, RunResult, RunSpec
 from dew.demo.tail import Workload
 from vs_trl import (
-    PROVENANCE,
     load_results,
     median_reach,
     reach_cell,
@@ -62,7 +59,6 @@ from vs_trl import (
     run_worker,
     save_result,
     speed_ratio,
-    thread_text,
     threads_of,
 )
 
@@ -307,14 +303,7 @@ def main() -> None:
     for name, measured, target, status in rows:
         print(f"{name}: {measured}; target {target}: {status}")
     print(f"\nbench wall time: {elapsed:.0f} s")
-    versions = (
-        f"torch {version('torch')} ({thread_text(args)})",
-        f"transformers {version('transformers')}",
-        f"trl {version('trl')}",
-    )
-    run = run_provenance("vs_trl_tail.py", elapsed, versions, args.load)
-    if args.save and not args.load:
-        (Path(args.save) / PROVENANCE).write_text(json.dumps(run))
+    run = run_provenance("vs_trl_tail.py", elapsed, args)
     if not args.write:
         return
     lines = provenance_lines(run)
