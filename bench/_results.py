@@ -65,11 +65,6 @@ def provenance_lines(run: Mapping[str, Any]) -> str:
     )
 
 
-def run_lines(script: str, seconds: float, *versions: str) -> str:
-    """A section's ``- command``, ``- machine`` and ``- date`` lines for this run."""
-    return provenance_lines(provenance(script, seconds, *versions))
-
-
 def write_section(text: str, path: Path = RESULTS) -> None:
     """Replace the section that ``text`` opens (its first line, ``## name``), or append it."""
     header = text.splitlines()[0]
