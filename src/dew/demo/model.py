@@ -47,6 +47,8 @@ ARCHS = ("qwen2", "llama")
 SIZES = {
     # name: (hidden, layers, heads, kv_heads, intermediate)
     "tiny": (64, 2, 4, 2, 128),
+    # The smallest shape vLLM's CPU attention serves: heads of 64 dimensions.
+    "tiny64": (128, 2, 2, 2, 256),
     "small": (128, 4, 4, 2, 384),
     "base": (256, 6, 8, 4, 768),
 }

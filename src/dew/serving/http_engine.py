@@ -6,41 +6,14 @@ to sources exactly like the in-process :class:`~dew.serving.RolloutServer`: ``su
 returns a future at once, the future resolves to a token-exact :class:`~dew.core.Call`,
 and ``load`` publishes weights under a version number.
 
-Threads: the engine owns one thread running one asyncio event loop; every HTTP
-exchange, every future resolution and all request bookkeeping happen on it. Two
-connection pools (:mod:`dew.serving._http_client`) live there: one for ``/generate``
-(``max_connections``; a request beyond that waits for a free connection, within
-``timeout``) and a small one for control requests (aborts, health, model info, weight
-pushes), so an abort never queues behind the generations it is meant to stop. Other
-threads reach the loop only through ``call_soon_threadsafe`` /
-``run_coroutine_threadsafe``, under one lock that also guards ``closed``; ``close()``
-joins the thread. Done-callbacks of ``submit`` futures run on the loop thread: keep
-them short (``generate``, ``health`` and ``load`` are refused there, as they would
-wait on the thread they block).
+The threads, the pools, retries and stopping are those of every engine over one
+server (:mod:`dew.serving._http_base`). What is this server's:
 
-Invariants:
-
-* Every future ``submit`` returns resolves exactly once: to a :class:`~dew.core.Call`,
-  to :class:`~dew.core.Aborted` (its ``stop`` event set, or :meth:`HTTPEngine.abort`),
-  to :class:`~dew.core.EngineError` (the request was lost to an infrastructure fault:
-  the server refused the connection, reset or closed it, did not answer within
-  ``timeout``, answered 5xx or answered something malformed; the scheduler resubmits
-  the rollout), to ``ValueError`` (the server refused the input with a 4xx: its message,
-  naming the field), or to ``RuntimeError`` (the engine was closed first). The future
-  is marked running before ``submit`` returns, so ``Future.cancel()`` cannot take it;
-  only the loop resolves it (or ``submit`` itself, for a stop already set).
-* Stopping: each request carries an ``rid``. One watcher task polls the ``stop``
-  events of the requests in flight every ``poll`` seconds; a stopped or aborted request
-  gets ``/abort_request`` (sent again every 0.2 s until its ``/generate`` answers, in
-  case the abort overtook the request), and the server answers the ``/generate`` with
-  finish reason ``abort`` and the tokens made so far: ``Aborted(tokens=n)``.
-* Retries only where a retry cannot run anything twice: any request whose connection
-  could not be made (nothing was sent) and, for the idempotent ``/abort_request``,
-  ``/health`` and ``/get_model_info``, broken connections and 5xx too. A ``/generate``
-  or a weight push that may have reached the server is never re-sent (the scheduler
-  decides what runs again), and no timeout is retried (it waited its whole budget).
-* ``version`` is the server's: set by ``/get_model_info``, ``/health`` and every push,
-  and raised (never lowered) by the ``weight_version`` of every response.
+* Stopping: each request carries an ``rid``; a stopped or aborted request gets
+  ``/abort_request``, and the server answers the ``/generate`` with finish reason
+  ``abort`` and the tokens made so far: ``Aborted(tokens=n)``.
+* ``version`` is set by ``/get_model_info``, ``/health`` and every push, and raised
+  (never lowered) by the ``weight_version`` of every response.
 * The ``Call`` is built from the response alone: prompt = the ids sent, completion =
   ``output_ids``, ``log_probs`` from ``output_token_logprobs`` (checked to match the
   ids), ``version`` = ``weight_version`` (the oldest weights that served a token),
@@ -53,67 +26,20 @@ Invariants:
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
-import json
-import shutil
-import tempfile
-import threading
-import uuid
-from collections.abc import Coroutine, Hashable, Mapping, Sequence
-from concurrent.futures import CancelledError, Future
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
-from dew.core import Aborted, Call, Engine, EngineError, SamplingParams
+from dew.core import Aborted, Call, EngineError, SamplingParams
 from dew.core._checks import as_int
-from dew.serving._http_client import Broken, NotConnected, Pool, TimedOut
-from dew.serving._requests import make_request
+from dew.serving._http_base import LoopEngine, Pending
+from dew.serving._http_client import Pool
+from dew.serving._requests import Request
 
 __all__ = ["HTTPEngine"]
 
-T = TypeVar("T")
 
-_RESEND = 0.2  # seconds between two /abort_request of one request still in flight
-_BACKOFF = (0.05, 0.2, 0.5)  # delays between the tries of a request safe to retry
-_CONTROL_CONNECTIONS = 8
-# Idle connections are dropped before the server would: uvicorn's default keep-alive (the
-# one SGLang's server runs with) is 5 s, dew serve's 120 s. Sending on a connection the
-# server is just closing would fail a /generate that cannot safely be sent again.
-_KEEPALIVE = 4.0
-_SHM = Path("/dev/shm")
-
-
-class _CallFuture(Future[Call]):
-    """The future ``submit`` returns; carries its request id so ``abort`` finds it."""
-
-    def __init__(self, owner: HTTPEngine, rid: str) -> None:
-        super().__init__()
-        self.owner = owner
-        self.rid = rid
-
-    def result(self, timeout: float | None = None) -> Call:
-        if not self.done():  # waiting on the loop thread would wait forever
-            self.owner._check_not_loop("a wait on a submit future (say, generate())")
-        return super().result(timeout)
-
-
-@dataclass(eq=False)
-class _Pending:
-    """One request in flight; owned by the loop thread once registered."""
-
-    rid: str
-    body: dict[str, Any]
-    prompt: list[int]
-    keeps_support: bool
-    stop: threading.Event | None
-    future: _CallFuture
-    stopping: bool = False  # the caller asked for the request to end
-    abort_sent: float = float("-inf")  # loop time of the last /abort_request
-
-
-class HTTPEngine(Engine):
+class HTTPEngine(LoopEngine):
     """An :class:`~dew.core.Engine` and :class:`~dew.core.Publisher` over one server.
 
     ``url``: the server's base URL (``http://127.0.0.1:8000``). ``api_key``: sent as a
@@ -144,131 +70,33 @@ class HTTPEngine(Engine):
         poll: float = 0.005,
         abort_urls: Sequence[str] = (),
     ) -> None:
-        if not isinstance(url, str) or not url.startswith(("http://", "https://")):
-            raise ValueError(f"url must be an http(s) URL, got {url!r}")
-        if isinstance(abort_urls, str) or not all(
-            isinstance(u, str) and u.startswith(("http://", "https://")) for u in abort_urls
-        ):
-            raise ValueError(f"abort_urls must be a sequence of http(s) URLs, got {abort_urls!r}")
-        numbers = {"timeout": timeout, "connect_timeout": connect_timeout, "poll": poll}
-        for name, value in {**numbers, "startup_timeout": startup_timeout}.items():
-            if not isinstance(value, (int, float)) or not value > 0:
-                raise ValueError(f"{name} must be a number > 0, got {value!r}")
-        max_connections = as_int(max_connections, "max_connections")
-        if max_connections < 1:
-            raise ValueError(f"max_connections must be >= 1, got {max_connections}")
-        self._url = url.rstrip("/")
-        self._headers = {} if api_key is None else {"Authorization": f"Bearer {api_key}"}
-        self._timeout = float(timeout)
-        self._connect_timeout = float(connect_timeout)
-        self._poll = float(poll)
-        self._weights_dir = None if weights_dir is None else Path(weights_dir)
-        self._own_dir: Path | None = None  # the private weights folder, made on first load
-        self._lock = threading.Lock()  # guards _closed, _version and scheduling onto the loop
-        self._closed = False
-        self._version = 0
-        self._inflight: dict[str, _Pending] = {}  # loop thread only
-        self._watcher: asyncio.Task[None] | None = None  # loop thread only
-        self._spawned: set[asyncio.Task[Any]] = set()  # loop thread only: strong refs
-        self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(
-            target=self._run_loop, name=f"HTTPEngine({self._url})", daemon=True
+        super().__init__(
+            url,
+            api_key=api_key,
+            weights_dir=weights_dir,
+            timeout=timeout,
+            connect_timeout=connect_timeout,
+            max_connections=max_connections,
+            startup_timeout=startup_timeout,
+            poll=poll,
+            abort_urls=abort_urls,
         )
-        self._thread.start()
-        self._gen = self._block(self._pool(max_connections))
-        self._ctl = self._block(self._pool(_CONTROL_CONNECTIONS))
-        self._abort_to = [self._block(self._pool(2, u.rstrip("/"))) for u in abort_urls]
+
+    def _describe(self, within: float) -> None:
         try:
-            info = self._block(self._model_info(float(startup_timeout)))
-            try:
-                self._max_len = as_int(info["dew_max_len"], "dew_max_len")
-                self._vocab = as_int(info["dew_vocab_size"], "dew_vocab_size")
-                self._eos = tuple(as_int(t, "dew_eos_token_ids") for t in info["dew_eos_token_ids"])
-            except (KeyError, TypeError, ValueError) as exc:
-                raise EngineError(
-                    f"{self._url}/get_model_info does not describe the model as dew serve "
-                    f"does (dew_max_len, dew_vocab_size, dew_eos_token_ids): {exc!r}"
-                ) from None
-        except BaseException:
-            self.close()
-            raise
+            info = self._block(self._answering("GET", "/get_model_info", within))
+        except EngineError as exc:
+            raise EngineError(f"dew serve at {self._url} is not answering: {exc}") from None
+        try:
+            self._max_len = as_int(info["dew_max_len"], "dew_max_len")
+            self._vocab = as_int(info["dew_vocab_size"], "dew_vocab_size")
+            self._eos = tuple(as_int(t, "dew_eos_token_ids") for t in info["dew_eos_token_ids"])
+        except (KeyError, TypeError, ValueError) as exc:
+            raise EngineError(
+                f"{self._url}/get_model_info does not describe the model as dew serve "
+                f"does (dew_max_len, dew_vocab_size, dew_eos_token_ids): {exc!r}"
+            ) from None
         self._set_version(info.get("dew_version"), exact=True)
-
-    # ------------------------------------------------------------------ properties
-
-    @property
-    def url(self) -> str:
-        return self._url
-
-    @property
-    def version(self) -> int:
-        with self._lock:
-            return self._version
-
-    @property
-    def max_len(self) -> int:
-        """The longest prompt + completion a request may ask for (the server's)."""
-        return self._max_len
-
-    @property
-    def vocab_size(self) -> int:
-        return self._vocab
-
-    @property
-    def eos_token_ids(self) -> tuple[int, ...]:
-        """The served model's end-of-sequence ids (``stop_ids=None`` stops at these)."""
-        return self._eos
-
-    @property
-    def in_flight(self) -> int:
-        """Requests sent and not yet resolved (a snapshot, from any thread)."""
-        return len(self._inflight)
-
-    # ------------------------------------------------------------------ Engine
-
-    def submit(
-        self,
-        prompt: Sequence[int],
-        params: SamplingParams,
-        *,
-        stop: threading.Event | None = None,
-        affinity: Hashable | None = None,
-    ) -> Future[Call]:
-        """Send a completion request for ``prompt``; returns its future at once.
-
-        Same rules as :meth:`dew.serving.RolloutServer.submit`: invalid arguments raise
-        ``ValueError`` here, a closed engine ``RuntimeError``; ``affinity`` means nothing
-        to one engine.
-        """
-        del affinity
-        request = make_request(
-            prompt, params, stop, vocab=self._vocab, max_len=self._max_len, eos=self._eos
-        )
-        rid = uuid.uuid4().hex
-        future = _CallFuture(self, rid)
-        future.set_running_or_notify_cancel()  # only the engine resolves it from now on
-        body = _body(request.prompt, params, rid)
-        pending = _Pending(rid, body, request.prompt, request.keeps_support, stop, future)
-        with self._lock:
-            if self._closed:
-                raise RuntimeError(f"HTTPEngine({self._url}) is closed")
-            if stop is not None and stop.is_set():
-                future.set_exception(Aborted("generation stopped before it started"))
-                return future
-            self._loop.call_soon_threadsafe(self._start, pending)
-        return future
-
-    def abort(self, future: Future[Call]) -> None:
-        """Ask the server to drop the request behind ``future``; returns at once.
-
-        The future then resolves to :class:`~dew.core.Aborted` (or to the call, if it
-        finished first). A resolved future, or one another engine made, is left alone.
-        """
-        if not isinstance(future, _CallFuture) or future.owner is not self or future.done():
-            return
-        with self._lock:
-            if not self._closed:
-                self._loop.call_soon_threadsafe(self._stop_request, future.rid)
 
     def health(self) -> bool:
         """Whether the server answers ``GET /health`` with 200 within the connect
@@ -280,27 +108,6 @@ class HTTPEngine(Engine):
             return False
         self._set_version(data.get("dew_version"), exact=True)
         return True
-
-    # ------------------------------------------------------------------ Publisher
-
-    def load(self, variables: Any, version: int) -> None:
-        """Publish ``variables`` (an ``nn.Module`` or a state dict) as ``version``.
-
-        Writes one weights file (:func:`dew.serving.weights.write_weights`) into
-        ``weights_dir``, asks the server to load it, and removes the file once the
-        server answered. A refusal (a version not newer than the served one, names or
-        shapes that do not match) raises ``ValueError`` with the server's message; the
-        server keeps its old weights then.
-        """
-        from dew.serving.weights import write_weights
-
-        self._check_not_loop("load()")
-        version = as_int(version, "version")
-        path = write_weights(variables, self._folder(), version)
-        try:
-            self.load_file(path, version)
-        finally:
-            Path(path).unlink(missing_ok=True)
 
     def load_file(self, path: str | Path, version: int) -> None:
         """Ask the server to load the weights file ``path`` (written by
@@ -317,215 +124,37 @@ class HTTPEngine(Engine):
             raise ValueError(f"{self._url}: weights refused: {data.get('message')}")
         self._set_version(data.get("dew_version", version), exact=True)
 
-    # ------------------------------------------------------------------ lifetime
-
-    def close(self) -> None:
-        """Fail every request still in flight with ``RuntimeError`` (and ask the server
-        to drop them), close the connection pools and join the loop thread."""
-        with self._lock:
-            if self._closed:
-                return
-            self._closed = True
-            done = asyncio.run_coroutine_threadsafe(self._shutdown(), self._loop)
-        if threading.current_thread() is not self._thread:
-            done.result()
-            self._thread.join()
-        if self._own_dir is not None:
-            shutil.rmtree(self._own_dir, ignore_errors=True)
-
-    def __enter__(self) -> HTTPEngine:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-    def __repr__(self) -> str:
-        return f"HTTPEngine({self._url!r}, version={self._version})"
-
-    def _check_not_loop(self, name: str) -> None:
-        if threading.current_thread() is self._thread:
-            raise RuntimeError(
-                f"HTTPEngine: {name} was called on the engine's loop thread (from a submit "
-                "future's done-callback); it would wait forever. Use submit() there."
-            )
-
-    def _block(self, coro: Coroutine[Any, Any, T]) -> T:
-        """Run ``coro`` on the loop and wait for it (its own deadlines bound the wait)."""
-        with self._lock:
-            if self._closed:
-                coro.close()
-                raise RuntimeError(f"HTTPEngine({self._url}) is closed")
-            done = asyncio.run_coroutine_threadsafe(coro, self._loop)
-        try:
-            return done.result()
-        except CancelledError:  # close() cancelled it
-            raise RuntimeError(f"HTTPEngine({self._url}) was closed meanwhile") from None
-
-    def _folder(self) -> Path:
-        if self._weights_dir is not None:
-            self._weights_dir.mkdir(parents=True, exist_ok=True)
-            return self._weights_dir
-        with self._lock:
-            if self._own_dir is None:
-                shm = _SHM if _SHM.is_dir() else None  # memory, not disk, where there is one
-                self._own_dir = Path(tempfile.mkdtemp(prefix="dew-weights-", dir=shm))
-            return self._own_dir
-
-    def _set_version(self, value: object, *, exact: bool) -> None:
-        if isinstance(value, bool) or not isinstance(value, int):
-            return  # an SGLang server's version is a label, not dew's number
-        with self._lock:
-            self._version = value if exact else max(self._version, value)
-
-    # ------------------------------------------------------------------ loop thread
-
-    def _run_loop(self) -> None:
-        asyncio.set_event_loop(self._loop)
-        try:
-            self._loop.run_forever()
-        finally:
-            self._loop.close()
-
-    async def _pool(self, limit: int, url: str | None = None) -> Pool:  # on the loop, as
-        return Pool(  # its semaphore must be
-            url or self._url,
-            headers=self._headers,
-            limit=limit,
-            connect_timeout=self._connect_timeout,
-            keepalive=_KEEPALIVE,
+    async def _abort_request(self, rid: str, pool: Pool | None) -> None:
+        await self._request(
+            "POST", "/abort_request", {"rid": rid}, retry=True, short=True, pool=pool
         )
 
-    async def _model_info(self, within: float) -> dict[str, Any]:
-        deadline = self._loop.time() + within
-        while True:
-            try:
-                return await self._request("GET", "/get_model_info", None, short=True)
-            except EngineError as exc:
-                if self._loop.time() + 0.1 > deadline:
-                    raise EngineError(
-                        f"dew serve at {self._url} did not answer /get_model_info within "
-                        f"{within:g}s: {exc}"
-                    ) from None
-                await asyncio.sleep(0.1)
+    def _generation(self, request: Request, params: SamplingParams, rid: str) -> dict[str, Any]:
+        """The ``/generate`` request (the wire format: :mod:`dew.serving.http_server`)."""
+        sampling: dict[str, Any] = {"max_new_tokens": params.max_tokens}
+        for key, value in (
+            ("temperature", params.temperature),
+            ("top_k", params.top_k),  # absent = off, as SGLang's -1
+            ("top_p", params.top_p),
+            ("stop_token_ids", None if params.stop_ids is None else list(params.stop_ids)),
+        ):
+            if value is not None:
+                sampling[key] = value
+        return {
+            "input_ids": request.prompt,
+            "sampling_params": sampling,
+            "return_logprob": True,
+            "rid": rid,
+        }
 
-    async def _request(
-        self,
-        method: str,
-        path: str,
-        body: Any,
-        *,
-        retry: bool = False,
-        short: bool = False,
-        pool: Pool | None = None,
-    ) -> dict[str, Any]:
-        """One exchange; the JSON object a 200 answers. ``ValueError`` for a 4xx (the
-        server's message), :class:`EngineError` for a transport fault, a timeout, a 5xx
-        or a malformed answer. A connection never made is retried on every path
-        (nothing was sent); with ``retry`` (idempotent requests only) so are broken
-        connections and 5xx; a timeout never is (it already waited its whole budget).
-        ``short``: the answer is due within the connect timeout (requests that do no
-        work); ``pool``: another server's (an abort sent to a worker behind a router)."""
-        if pool is None:
-            pool = self._gen if path == "/generate" else self._ctl
-        timeout = self._connect_timeout if short else self._timeout
-        where = f"{pool.url}{path}"
-        payload = None if body is None else json.dumps(body).encode()
-        for delay in (*_BACKOFF, None):
-            try:
-                response = await pool.request(method, path, payload, timeout=timeout)
-            except NotConnected as exc:
-                fault = EngineError(f"{where}: {exc}")
-            except TimedOut as exc:
-                raise EngineError(f"{where}: no answer in time: {exc}") from None
-            except Broken as exc:
-                fault = EngineError(f"{where}: {exc}")
-                if not retry:
-                    raise fault from None
-            else:
-                status, data = response.status, response.json()
-                if 400 <= status < 500:
-                    raise ValueError(f"{where}: {status}: {response.error_message()}")
-                if status == 200:
-                    if not isinstance(data, dict):
-                        raise EngineError(f"{where}: the answer is not a JSON object")
-                    return data
-                fault = EngineError(f"{where}: {status}: {response.error_message()}")
-                if not retry:
-                    raise fault
-            if delay is None:
-                raise fault
-            await asyncio.sleep(delay)
-        raise AssertionError("unreachable")
-
-    def _spawn(self, coro: Coroutine[Any, Any, Any]) -> asyncio.Task[Any]:
-        task = self._loop.create_task(coro)
-        self._spawned.add(task)
-        task.add_done_callback(self._spawned.discard)
-        return task
-
-    def _start(self, p: _Pending) -> None:
-        self._inflight[p.rid] = p
-        self._spawn(self._generate(p))
-        if self._watcher is None:
-            self._watcher = self._spawn(self._watch())
-
-    def _stop_request(self, rid: str) -> None:
-        p = self._inflight.get(rid)
-        if p is not None and not p.stopping:
-            p.stopping = True
-            self._send_abort(p)
-
-    def _send_abort(self, p: _Pending) -> None:  # sent again after _RESEND (see _watch)
-        p.abort_sent = self._loop.time()
-        self._spawn(self._abort_quietly(p.rid))
-
-    async def _abort_quietly(self, rid: str) -> None:
-        async def one(pool: Pool | None) -> None:
-            with contextlib.suppress(EngineError, ValueError):
-                await self._request(
-                    "POST", "/abort_request", {"rid": rid}, retry=True, short=True, pool=pool
-                )
-
-        await asyncio.gather(*(one(p) for p in self._abort_to or [None]))
-
-    async def _watch(self) -> None:
-        """Turn set ``stop`` events into aborts; runs while requests are in flight."""
-        try:
-            while self._inflight:
-                now = self._loop.time()
-                for p in list(self._inflight.values()):
-                    if not p.stopping and p.stop is not None and p.stop.is_set():
-                        p.stopping = True
-                    if p.stopping and now - p.abort_sent >= _RESEND:
-                        self._send_abort(p)
-                await asyncio.sleep(self._poll)
-        finally:
-            self._watcher = None
-
-    async def _generate(self, p: _Pending) -> None:
-        outcome: Call | BaseException
-        if p.stopping or (p.stop is not None and p.stop.is_set()):
-            outcome = Aborted("generation stopped before it was sent")
-        else:
-            try:
-                outcome = self._outcome(p, await self._request("POST", "/generate", p.body))
-            except (EngineError, ValueError) as exc:
-                outcome = exc
-            except asyncio.CancelledError:
-                raise  # close() cancelled it; _shutdown resolves the future
-            except Exception as exc:  # a bug of ours: the request is lost
-                outcome = EngineError(f"{self._url}/generate: {exc!r}")
-        self._inflight.pop(p.rid, None)
-        _settle(p.future, outcome)
-
-    def _outcome(self, p: _Pending, data: Mapping[str, Any]) -> Call | BaseException:
+    def _outcome(self, p: Pending, data: Mapping[str, Any]) -> Call | BaseException:
         try:
             meta = data["meta_info"]
             out = [int(t) for t in data["output_ids"]]
             finish = meta.get("finish_reason")
             kind = finish.get("type") if isinstance(finish, Mapping) else finish
             if kind == "abort":
-                if p.stopping or (p.stop is not None and p.stop.is_set()):
+                if p.stopped:
                     tokens = as_int(meta.get("completion_tokens", len(out)), "completion_tokens")
                     return Aborted("generation stopped", tokens=tokens)
                 return EngineError(f"{self._url}/generate: the server aborted the request")
@@ -555,45 +184,3 @@ class HTTPEngine(Engine):
             )
         except (KeyError, TypeError, ValueError, IndexError) as exc:
             return EngineError(f"{self._url}/generate: malformed answer: {exc!r}")
-
-    async def _shutdown(self) -> None:
-        """Fail what is in flight, ask the server to drop it, close the pools, stop."""
-        pending = list(self._inflight.values())
-        self._inflight.clear()
-        error = RuntimeError(f"HTTPEngine({self._url}) was closed before this request finished")
-        for p in pending:
-            _settle(p.future, error)
-        aborts = [self._spawn(self._abort_quietly(p.rid)) for p in pending]
-        if aborts:
-            await asyncio.wait(aborts, timeout=min(1.0, self._connect_timeout))
-        others = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
-        for task in others:
-            task.cancel()  # open /generate exchanges disconnect: the server drops them
-        await asyncio.gather(*others, return_exceptions=True)
-        await self._gen.aclose()
-        await self._ctl.aclose()
-        for pool in self._abort_to:
-            await pool.aclose()
-        self._loop.call_soon(self._loop.stop)
-
-
-def _body(prompt: list[int], params: SamplingParams, rid: str) -> dict[str, Any]:
-    """The ``/generate`` request (the wire format: :mod:`dew.serving.http_server`)."""
-    sampling: dict[str, Any] = {"max_new_tokens": params.max_tokens}
-    for key, value in (
-        ("temperature", params.temperature),
-        ("top_k", params.top_k),  # absent = off, as SGLang's -1
-        ("top_p", params.top_p),
-        ("stop_token_ids", None if params.stop_ids is None else list(params.stop_ids)),
-    ):
-        if value is not None:
-            sampling[key] = value
-    return {"input_ids": prompt, "sampling_params": sampling, "return_logprob": True, "rid": rid}
-
-
-def _settle(future: Future[Call], outcome: Call | BaseException) -> None:
-    if not future.done():
-        if isinstance(outcome, BaseException):
-            future.set_exception(outcome)
-        else:
-            future.set_result(outcome)

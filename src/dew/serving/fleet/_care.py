@@ -12,18 +12,18 @@ from pathlib import Path
 from typing import Any
 
 from dew.core import Aborted, EngineError
+from dew.serving._http_base import LoopEngine
 from dew.serving.fleet._parts import (
     BACKOFF_MAX,
     OUT,
     RESTARTING,
     UP,
     FleetCall,
-    Local,
     Member,
+    Process,
     settle,
     stopped,
 )
-from dew.serving.http_engine import HTTPEngine
 
 log = logging.getLogger("dew.serving.fleet")
 
@@ -41,6 +41,7 @@ class Care:
     _timeout: float
     _startup: float
     _engine_kw: dict[str, Any]
+    _make: Any  # the members' engine class
     _version: int
     _files: list[tuple[int, Path]]
     _waiting: deque[FleetCall]
@@ -52,10 +53,10 @@ class Care:
     def _join(self, member: Member, gen: int, version: int) -> bool:
         raise NotImplementedError
 
-    def _check_model(self, engine: HTTPEngine) -> None:
+    def _check_model(self, engine: LoopEngine) -> None:
         raise NotImplementedError
 
-    def _recheck(self, member: Member, gen: int, engine: HTTPEngine, error: str) -> None:
+    def _recheck(self, member: Member, gen: int, engine: LoopEngine, error: str) -> None:
         if not self._stopping.is_set() and not engine.health():
             self._take_out(member, gen, f"a request failed ({error}) and so did /health")
 
@@ -147,7 +148,7 @@ class Care:
                 self._take_out(m, gen, f"process exited ({code})")
                 self._restart(m, local)
 
-    def _restart(self, member: Member, local: Local) -> None:
+    def _restart(self, member: Member, local: Process) -> None:
         with self._lock:
             if self._closed:
                 return
@@ -157,7 +158,7 @@ class Care:
         local.stop(0.0)
         try:
             url = local.start(self._startup, self._stopping)
-            engine = HTTPEngine(url, **self._engine_kw)
+            engine = self._make(url, **self._engine_kw)
         except (EngineError, OSError, ValueError) as exc:
             with self._lock:
                 member.state, member.reason = OUT, f"restart failed: {exc}"

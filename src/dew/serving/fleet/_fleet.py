@@ -19,11 +19,13 @@ from typing import Any
 
 from dew.core import Aborted, Call, Engine, EngineError, SamplingParams
 from dew.core._checks import as_int
+from dew.serving._http_base import LoopEngine
 from dew.serving._requests import make_request
 from dew.serving.fleet._care import Care
 from dew.serving.fleet._parts import (
     BACKOFF_MAX,
     CLOSED,
+    ENGINES,
     OUT,
     SHM,
     UP,
@@ -32,6 +34,8 @@ from dew.serving.fleet._parts import (
     Local,
     Member,
     MemberInfo,
+    Process,
+    member_class,
     settle,
 )
 from dew.serving.fleet._router import RouterAdmin, RouterProcess
@@ -43,9 +47,12 @@ log = logging.getLogger("dew.serving.fleet")
 class EngineFleet(Care, Engine):
     """Many ``dew serve`` engines as one :class:`~dew.core.Engine` and Publisher.
 
-    ``engines``: :class:`HTTPEngine` s or URLs (engines are made with ``api_key``,
-    ``timeout``, ``connect_timeout``); the fleet owns and closes all of them (on a
-    construction error only the ones it made). They must serve one model: equal
+    ``engines``: engines of servers (:class:`HTTPEngine` s, :class:`VLLMEngine` s) or
+    URLs, which are made into engines of the kind ``engine`` names (``"dew"``: ``dew
+    serve``, ``"vllm"``: vLLM servers) with ``api_key``, ``timeout``,
+    ``connect_timeout`` and ``engine_options`` (say, ``{"on_load": "keep"}`` for vLLM);
+    the fleet owns and closes all of them (on a construction error only the ones it
+    made). They must serve one model: equal
     ``max_len``, ``vocab_size`` and ``eos_token_ids``, else ``ValueError``.
     ``weights_dir``: where :meth:`load` writes weights files (readable by every member;
     default a private folder in ``/dev/shm``, removed by :meth:`close`).
@@ -60,7 +67,7 @@ class EngineFleet(Care, Engine):
 
     def __init__(
         self,
-        engines: Sequence[HTTPEngine | str],
+        engines: Sequence[LoopEngine | str],
         *,
         api_key: str | None = None,
         weights_dir: str | Path | None = None,
@@ -71,8 +78,11 @@ class EngineFleet(Care, Engine):
         affinity_size: int = 4096,
         startup_timeout: float = 120.0,
         router: str | None = None,
-        _locals: Sequence[Local] | None = None,
+        engine: str = "dew",
+        engine_options: Mapping[str, Any] | None = None,
+        _locals: Sequence[Process] | None = None,
         _router_process: RouterProcess | None = None,
+        _own_dir: bool = False,
     ) -> None:
         for name, value in (("health_interval", health_interval), ("timeout", timeout)):
             if not isinstance(value, (int, float)) or not value > 0:
@@ -86,21 +96,27 @@ class EngineFleet(Care, Engine):
         self._interval = float(health_interval)
         self._timeout = float(timeout)
         self._startup = float(startup_timeout)
+        if engine not in ENGINES:
+            raise ValueError(f"engine={engine!r} is not one of {sorted(ENGINES)}")
+        if router is not None and engine != "dew":
+            raise ValueError("router= fronts dew serve engines only (engine='dew')")
+        self._make = member_class(engine)
         self._engine_kw: dict[str, Any] = {
+            **(engine_options or {}),
             "api_key": api_key,
             "timeout": timeout,
             "connect_timeout": connect_timeout,
         }
         locals_ = list(_locals) if _locals is not None else [None] * len(engines)
-        made: list[HTTPEngine] = []
+        made: list[LoopEngine] = []
         try:
             members = []
             for item, local in zip(engines, locals_, strict=True):
                 if isinstance(item, str):
-                    item = HTTPEngine(item, **self._engine_kw)
+                    item = self._make(item, **self._engine_kw)
                     made.append(item)
-                elif not isinstance(item, HTTPEngine):
-                    raise ValueError(f"engines must be HTTPEngines or URLs, got {item!r}")
+                elif not isinstance(item, LoopEngine):
+                    raise ValueError(f"engines must be engines of servers or URLs, got {item!r}")
                 members.append(Member(item, local))
             first = members[0].engine
             self._model = (first.max_len, first.vocab_size, first.eos_token_ids)
@@ -141,7 +157,7 @@ class EngineFleet(Care, Engine):
         self._affinity: OrderedDict[Hashable, Member] = OrderedDict()
         self._waiting: deque[FleetCall] = deque()
         self._files: list[tuple[int, Path]] = []  # (version, path), oldest first
-        self._own_dir = weights_dir is None
+        self._own_dir = weights_dir is None or _own_dir
         shm = SHM if SHM.is_dir() else None
         self._dir = (
             Path(tempfile.mkdtemp(prefix="dew-fleet-", dir=shm))
@@ -169,24 +185,55 @@ class EngineFleet(Care, Engine):
         env: Mapping[str, str] | None = None,
         startup_timeout: float = 120.0,
         router: str | None = None,
+        engine: str = "dew",
+        python: str | Path | None = None,
         **kwargs: Any,
     ) -> EngineFleet:
-        """Start ``count`` local ``dew serve`` processes on 127.0.0.1 (``--demo SIZE``
-        or ``--model PATH``, ``--seed seed`` for all, so the demo weights agree, plus
-        ``args``; ``env`` added to this process's environment, e.g. ``OMP_NUM_THREADS``)
-        and return a fleet that owns them, with a supervisor restarting any that dies.
-        ``router``: also start an sglang-router with this policy (``cache_aware``,
-        ``round_robin``, ...) in front of them, owned by the fleet too; a worker then
-        restarts on its port, so the router's list keeps its URL. ``kwargs`` go to the
-        constructor."""
+        """Start ``count`` local engine processes on 127.0.0.1 and return a fleet that
+        owns them, with a supervisor restarting any that dies. ``env`` is added to this
+        process's environment for them (e.g. ``OMP_NUM_THREADS``); ``kwargs`` go to the
+        constructor.
+
+        ``engine="dew"``: ``dew serve`` processes (``--demo SIZE`` or ``--model PATH``,
+        ``--seed seed`` for all, so the demo weights agree, plus ``args``). ``router``:
+        also start an sglang-router with this policy (``cache_aware``, ``round_robin``,
+        ...) in front of them, owned by the fleet too; a worker then restarts on its
+        port, so the router's list keeps its URL.
+
+        ``engine="vllm"``: vLLM servers of the model folder ``model``, run by the vLLM
+        environment's interpreter ``python`` (default ``$DEW_VLLM_PYTHON``), with
+        ``--seed seed`` and ``args`` (``--dtype``, ``--max-model-len``, ...) after the
+        flags dew needs; their weight pushes may read only the fleet's weights folder.
+        """
         count = as_int(count, "count")
         if count < 1 or (demo is None) == (model is None):
             raise ValueError("launch needs count >= 1 and exactly one of demo= or model=")
-        what = ["--demo", demo] if demo is not None else ["--model", str(model)]
-        argv = [sys.executable, "-m", "dew.serve", *what, "--seed", str(seed)]
-        argv += [*args, "--host", "127.0.0.1", "--port", "0"]
-        environ = None if env is None else {**os.environ, **env}
-        locals_ = [Local(list(argv), environ) for _ in range(count)]
+        if engine not in ENGINES:
+            raise ValueError(f"engine={engine!r} is not one of {sorted(ENGINES)}")
+        locals_: list[Any]
+        if engine == "vllm":
+            if model is None or router is not None:
+                raise ValueError("engine='vllm' serves a model folder (model=), with no router")
+            from dew.serving.vllm import VLLMProcess, vllm_python
+
+            interpreter = vllm_python(python)
+            if kwargs.get("weights_dir") is None:
+                shm = SHM if SHM.is_dir() else None
+                kwargs.update(weights_dir=tempfile.mkdtemp(prefix="dew-fleet-", dir=shm))
+                kwargs.update(_own_dir=True)
+            vllm_args = [*args, "--seed", str(seed)]
+            locals_ = [
+                VLLMProcess(
+                    interpreter, model, weights_dir=kwargs["weights_dir"], args=vllm_args, env=env
+                )
+                for _ in range(count)
+            ]
+        else:
+            what = ["--demo", demo] if demo is not None else ["--model", str(model)]
+            argv = [sys.executable, "-m", "dew.serve", *what, "--seed", str(seed)]
+            argv += [*args, "--host", "127.0.0.1", "--port", "0"]
+            environ = None if env is None else {**os.environ, **env}
+            locals_ = [Local(list(argv), environ) for _ in range(count)]
         never = threading.Event()
         urls: list[Future[str]] = []
         with ThreadPoolExecutor(max_workers=count) as pool:
@@ -203,6 +250,7 @@ class EngineFleet(Care, Engine):
                 started,
                 startup_timeout=startup_timeout,
                 router=None if front is None else front.url,
+                engine=engine,
                 _locals=locals_,
                 _router_process=front,
                 **kwargs,
@@ -212,6 +260,8 @@ class EngineFleet(Care, Engine):
                 front.stop(5.0)
             for p in locals_:
                 p.stop(5.0)
+            if kwargs.get("_own_dir"):
+                shutil.rmtree(kwargs["weights_dir"], ignore_errors=True)
             raise
 
     # ------------------------------------------------------------------ properties
@@ -296,7 +346,7 @@ class EngineFleet(Care, Engine):
         elif member is not None and inner is not None:
             member.engine.abort(inner)
 
-    def _check_model(self, engine: HTTPEngine) -> None:
+    def _check_model(self, engine: LoopEngine) -> None:
         have = (engine.max_len, engine.vocab_size, engine.eos_token_ids)
         if have != self._model:
             raise ValueError(

@@ -1,8 +1,9 @@
-"""The fleet's records: members, calls, futures and local ``dew serve`` processes."""
+"""The fleet's records: members, calls, futures, local server processes, member kinds."""
 
 from __future__ import annotations
 
 import contextlib
+import importlib
 import os
 import selectors
 import signal
@@ -14,15 +15,43 @@ from collections.abc import Hashable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO
+from typing import IO, Any, Protocol
 
 from dew.core import Call, EngineError, SamplingParams
-from dew.serving.http_engine import HTTPEngine
+from dew.serving._http_base import LoopEngine
 
 PREFIX = "dew serve: listening on "
 UP, OUT, RESTARTING, CLOSED = "up", "out", "restarting", "closed"
 SHM = Path("/dev/shm")
 BACKOFF_MAX = 30.0
+
+
+# The engine a member speaks through, by the kind of server it runs: (module, class).
+ENGINES = {
+    "dew": ("dew.serving.http_engine", "HTTPEngine"),
+    "vllm": ("dew.serving.vllm", "VLLMEngine"),
+}
+
+
+def member_class(kind: str) -> Any:
+    """The engine class of members of ``kind`` (a key of :data:`ENGINES`)."""
+    module, name = ENGINES[kind]
+    return getattr(importlib.import_module(module), name)
+
+
+class Process(Protocol):
+    """A local server process the fleet supervises: ``dew serve`` (:class:`Local`) or
+    vLLM (:class:`dew.serving.vllm.VLLMProcess`)."""
+
+    proc: subprocess.Popen[bytes] | None
+
+    def alive(self) -> bool: ...
+
+    def start(self, deadline: float, stopping: threading.Event) -> str: ...
+
+    def stop(self, grace: float) -> None: ...
+
+    def tail(self) -> str: ...
 
 
 @dataclass(frozen=True)
@@ -114,8 +143,8 @@ def terminate(proc: subprocess.Popen[bytes], grace: float) -> None:
 
 @dataclass(eq=False)
 class Member:
-    engine: HTTPEngine
-    local: Local | None
+    engine: LoopEngine
+    local: Process | None
     state: str = UP
     calls: dict[FleetCall, None] = field(default_factory=dict)
     dispatched: int = 0

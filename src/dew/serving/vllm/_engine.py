@@ -1,0 +1,302 @@
+"""VLLMEngine: the :class:`~dew.core.Engine` contract and a Publisher over one vLLM server.
+
+The threads, pools, retries and stop watching are those of every engine over one
+server (:mod:`dew.serving._http_base`); this module is vLLM's dialect.
+
+What the server must run with (:func:`dew.serving.vllm.server_args` lists it, and a
+launched server has it): ``VLLM_SERVER_DEV_MODE=1`` (``/pause``, ``/resume``,
+``/collective_rpc``, ``/update_weight_version``, ``/abort_requests``),
+``--enable-scale-out`` (token ids in and out on ``/inference/v1/generate``),
+``--logprobs-mode processed_logprobs`` (the log-prob of each token under the
+distribution it was sampled from, temperature applied, which is what the trainer's
+importance weights need) and ``--worker-extension-cls`` naming dew's
+:class:`~dew.serving.vllm.extension.WorkerExtension`. The constructor checks each and
+refuses a server without it in one line (``ValueError``); an unreachable server is an
+:class:`~dew.core.EngineError`.
+
+Generation: the prompt's ids and every sampling setting are sent explicitly (the
+model's generation config never fills in a default), the stop ids dew resolved are the
+only ones vLLM stops at (``ignore_eos``), and the ``Call`` is built from the answer
+alone: the sampled ids, their processed log-probs, and as version the oldest weights
+behind any token, read from the answer's ``weight_versions`` spans. Filtered and greedy
+sampling are refused: vLLM's CPU runner does not report which ids such a sampler could
+draw, and without them the trainer cannot score the tokens exactly.
+
+Weights (``load_file``, under one lock): ``/pause?mode=keep&clear_cache=false``
+freezes the requests in flight, the extension loads the file all-or-nothing (a refusal
+leaves the served weights and version as they were and raises ``ValueError``),
+``/update_weight_version`` labels what follows, and then:
+
+* ``on_load="recompute"`` (default): ``/reset_prefix_cache`` with
+  ``reset_running_requests``: the requests in flight are computed again from their
+  tokens under the new weights, and no cached prefix of the old weights is reused, so
+  every later token comes from the new weights alone;
+* ``on_load="keep"``: the requests in flight go on over the keys and values they have
+  (an in-flight update, as PipelineRL's): their later tokens are sampled by the new
+  weights. Each request salts the prefix cache with the version it was sent under, so a
+  new request never reuses an old prefix of another version, and its ``Call`` is never
+  newer than that version.
+
+Then ``/resume``. Aborts go to ``/abort_requests`` under the id the server gives a
+request (``generate-tokens-`` and dew's id); the server answers the generation with
+finish reason ``abort`` and its tokens so far.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from dew.core import Aborted, Call, EngineError, SamplingParams
+from dew.core._checks import as_int
+from dew.serving._http_base import LoopEngine, Pending
+from dew.serving._http_client import Pool, TransportError
+from dew.serving._requests import Request
+
+__all__ = ["ON_LOAD", "VLLMEngine"]
+
+ON_LOAD = ("recompute", "keep")
+EXTENSION = "dew.serving.vllm.extension.WorkerExtension"
+_ID_PREFIX = "generate-tokens-"  # what vLLM's token route puts before a request's id
+_SALT = "dew-v"
+
+
+def server_args() -> list[str]:
+    """The ``vllm`` server flags a :class:`VLLMEngine` needs (besides
+    ``VLLM_SERVER_DEV_MODE=1`` in its environment)."""
+    return [
+        "--enable-scale-out",
+        "--logprobs-mode",
+        "processed_logprobs",
+        "--worker-extension-cls",
+        EXTENSION,
+    ]
+
+
+class VLLMEngine(LoopEngine):
+    """An :class:`~dew.core.Engine` and :class:`~dew.core.Publisher` over one vLLM server.
+
+    ``url``: the server's base URL. ``on_load``: what a weight push does to the
+    requests in flight, ``"recompute"`` or ``"keep"`` (module docstring). The other
+    arguments are :class:`~dew.serving.HTTPEngine`'s: ``api_key`` (the server's
+    ``--api-key``), ``weights_dir`` (where :meth:`load` writes weights files; the server
+    must be able to read it), ``timeout``, ``connect_timeout``, ``max_connections``,
+    ``startup_timeout`` (how long the constructor waits for ``/health``) and ``poll``.
+    """
+
+    _generate_path = "/inference/v1/generate"
+    _kind = "VLLMEngine"
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        on_load: str = "recompute",
+        api_key: str | None = None,
+        weights_dir: str | Path | None = None,
+        timeout: float = 120.0,
+        connect_timeout: float = 5.0,
+        max_connections: int = 256,
+        startup_timeout: float = 10.0,
+        poll: float = 0.005,
+    ) -> None:
+        if on_load not in ON_LOAD:
+            raise ValueError(f"on_load={on_load!r} is not one of {list(ON_LOAD)}")
+        self._on_load = on_load
+        self._push_lock = threading.Lock()  # one push at a time: pause ... resume
+        super().__init__(
+            url,
+            api_key=api_key,
+            weights_dir=weights_dir,
+            timeout=timeout,
+            connect_timeout=connect_timeout,
+            max_connections=max_connections,
+            startup_timeout=startup_timeout,
+            poll=poll,
+        )
+
+    @property
+    def on_load(self) -> str:
+        return self._on_load
+
+    # ------------------------------------------------------------------ the dialect
+
+    def _describe(self, within: float) -> None:
+        try:
+            self._block(self._answering("GET", "/health", within))
+        except EngineError as exc:
+            raise EngineError(f"vLLM at {self._url} is not answering: {exc}") from None
+        for path in ("/pause", self._generate_path):
+            if self._block(self._status("GET", path)) == 404:
+                raise ValueError(
+                    f"vLLM at {self._url} has no {path}: start it with "
+                    f"VLLM_SERVER_DEV_MODE=1 and {' '.join(server_args())}"
+                )
+        try:
+            info = self._block(self._rpc("dew_describe"))
+        except (EngineError, ValueError) as exc:
+            raise ValueError(
+                f"vLLM at {self._url} does not run dew's worker extension (start it with "
+                f"--worker-extension-cls {EXTENSION}): {exc}"
+            ) from None
+        if info.get("logprobs_mode") != "processed_logprobs":
+            raise ValueError(
+                f"vLLM at {self._url} returns {info.get('logprobs_mode')!r} log-probs; dew "
+                "needs those of the distribution sampled from: --logprobs-mode "
+                "processed_logprobs"
+            )
+        self._max_len = as_int(info["max_len"], "max_len")
+        self._vocab = as_int(info["vocab_size"], "vocab_size")
+        self._eos = tuple(as_int(t, "eos_token_ids") for t in info["eos_token_ids"])
+        self._set_version(as_int(info["version"], "version"), exact=True)
+
+    def _generation(self, request: Request, params: SamplingParams, rid: str) -> dict[str, Any]:
+        if request.keeps_support:
+            raise ValueError(
+                "VLLMEngine samples with temperature > 0 and neither top_k nor top_p: vLLM "
+                "does not report which ids a filtered or greedy sampler could draw, which "
+                f"the trainer needs to score them exactly (got {params})"
+            )
+        body: dict[str, Any] = {
+            "request_id": rid,
+            "token_ids": request.prompt,
+            "sampling_params": {
+                "max_tokens": params.max_tokens,
+                "temperature": params.temperature,
+                # Explicit neutral values: otherwise the model's generation config
+                # (say, a top_k or a repetition penalty) would fill them in.
+                "top_k": 0,
+                "top_p": 1.0,
+                "min_p": 0.0,
+                "repetition_penalty": 1.0,
+                "presence_penalty": 0.0,
+                "frequency_penalty": 0.0,
+                "logprobs": 0,
+                "ignore_eos": True,  # dew resolved the stop ids: only those stop
+                "stop_token_ids": sorted(request.stop_ids),
+                "detokenize": False,
+            },
+        }
+        if self._on_load == "keep":
+            body["cache_salt"] = f"{_SALT}{self.version}"
+        return body
+
+    def _outcome(self, p: Pending, data: Mapping[str, Any]) -> Call | BaseException:
+        where = f"{self._url}{self._generate_path}"
+        try:
+            choice = data["choices"][0]
+            out = [int(t) for t in choice["token_ids"] or ()]
+            finish = choice["finish_reason"]
+            if finish == "abort":
+                if p.stopped:
+                    return Aborted("generation stopped", tokens=len(out))
+                return EngineError(f"{where}: the server aborted the request")
+            if finish not in ("stop", "length"):
+                raise ValueError(f"unknown finish reason {finish!r}")
+            content = choice["logprobs"]["content"]
+            if [int(c["token_id"]) for c in content] != out or not out:
+                raise ValueError("the log-probs do not match token_ids")
+            versions = _span_versions(choice.get("weight_versions"), len(out))
+            self._set_version(max(versions), exact=False)
+            version = min(versions)
+            salt = p.body.get("cache_salt")
+            if salt is not None:  # keep: a prefix of the salt's version may have served it
+                version = min(version, int(salt.removeprefix(_SALT)))
+            return Call(
+                prompt=p.prompt,
+                completion=out,
+                log_probs=[float(c["logprob"]) for c in content],
+                version=version,
+                temperature=float(p.body["sampling_params"]["temperature"]),
+                finish_reason=finish,
+            )
+        except (KeyError, TypeError, ValueError, IndexError) as exc:
+            return EngineError(f"{where}: malformed answer: {exc!r}")
+
+    async def _abort_request(self, rid: str, pool: Pool | None) -> None:
+        body = {"request_ids": [f"{_ID_PREFIX}{rid}"]}
+        await self._request("POST", "/abort_requests", body, retry=True, short=True, pool=pool)
+
+    # ------------------------------------------------------------------ health, weights
+
+    def health(self) -> bool:
+        """Whether the server answers ``/health`` (and ``/weight_info``, which updates
+        :attr:`version`) within the connect timeout. False once closed."""
+        self._check_not_loop("health()")
+        try:
+            self._block(self._request("GET", "/health", None, retry=True, short=True))
+            info = self._block(self._request("GET", "/weight_info", None, retry=True, short=True))
+        except (EngineError, ValueError, RuntimeError):
+            return False
+        self._set_version(_label(info.get("weight_version")), exact=True)
+        return True
+
+    def load_file(self, path: str | Path, version: int) -> None:
+        """Serve the weights file ``path`` (written by
+        :func:`dew.serving.weights.write_weights`) as ``version``: the push sequence of
+        the module docstring. A refusal raises ``ValueError`` and changes nothing; a
+        fault of the server on the way raises :class:`~dew.core.EngineError`."""
+        self._check_not_loop("load_file()")
+        version = as_int(version, "version")
+        with self._push_lock:
+            self._block(self._push(str(Path(path).resolve()), version))
+        self._set_version(version, exact=True)
+
+    async def _push(self, path: str, version: int) -> None:
+        # clear_cache=false: vLLM would otherwise recompute the running requests even
+        # under mode=keep; whether they are recomputed is on_load's to say (below).
+        await self._request("POST", "/pause?mode=keep&clear_cache=false", None)
+        try:
+            answer = await self._rpc("dew_load", path, str(version))
+            if "refused" in answer:
+                raise ValueError(f"{self._url}: weights refused: {answer['refused']}")
+            if not answer.get("unchanged"):
+                label = {"new_version": str(version)}
+                await self._request("POST", "/update_weight_version", label)
+                if self._on_load == "recompute":
+                    path_ = "/reset_prefix_cache?reset_running_requests=true"
+                    if not (await self._request("POST", path_, None)).get("success"):
+                        raise EngineError(f"{self._url}: the prefix cache was not reset")
+        finally:
+            await self._request("POST", "/resume", None)
+
+    async def _rpc(self, method: str, *args: str) -> dict[str, Any]:
+        """Call the extension's ``method`` on the server's worker; its answer."""
+        body = {"method": method, "args": list(args)}
+        data = await self._request("POST", "/collective_rpc", body)
+        results = data.get("results")
+        if not isinstance(results, list) or not results or not isinstance(results[0], dict):
+            raise EngineError(f"{self._url}/collective_rpc {method}: no answer: {data!r:.200}")
+        return results[0]
+
+    async def _status(self, method: str, path: str) -> int:
+        """The status ``path`` answers ``method`` with (404: not served at all)."""
+        try:
+            response = await self._ctl.request(method, path, None, timeout=self._connect_timeout)
+        except TransportError as exc:
+            raise EngineError(f"{self._url}{path}: {exc}") from None
+        return response.status
+
+
+def _label(value: object) -> int:
+    """dew's version from vLLM's weight label: a decimal string dew set, or the label of
+    the weights the server started with (version 0)."""
+    return int(value) if isinstance(value, str) and value.isdigit() else 0
+
+
+def _span_versions(spans: object, tokens: int) -> list[int]:
+    """The version of each span; the spans must cover the tokens, in order."""
+    if not isinstance(spans, list) or not spans:
+        raise ValueError("no weight_versions spans")
+    at = 0
+    versions = []
+    for span in spans:
+        if int(span["start"]) != at or int(span["end"]) <= at:
+            raise ValueError(f"weight_versions spans do not tile the tokens: {spans}")
+        at = int(span["end"])
+        versions.append(_label(span["version"]))
+    if at != tokens:
+        raise ValueError(f"weight_versions spans cover {at} of {tokens} tokens")
+    return versions
