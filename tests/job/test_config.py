@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import pytest
@@ -86,6 +87,20 @@ clip_high = 0.28
     assert hang.parallel.model_dump()["hang_timeout"] == 5.0
 
 
+def test_a_vllm_engine_section_keeps_its_fields(tmp_path: Path) -> None:
+    overrides = ["--engine.kind", "vllm", "--engine.python", sys.executable]
+    overrides += ["--engine.args", '["--dtype", "float32"]', "--engine.on_load", "keep"]
+    engine = load_config(write(tmp_path), overrides).engine
+    assert (engine.kind, engine.python, engine.on_load) == ("vllm", sys.executable, "keep")
+    assert engine.args == ("--dtype", "float32")
+    urls = ["--engine.kind", "vllm", "--engine.urls", '["http://127.0.0.1:9"]']
+    urls += ["--engine.weights_dir", "/dev/shm/w"]
+    engine = load_config(write(tmp_path), urls).engine
+    assert (engine.urls, engine.weights_dir) == (("http://127.0.0.1:9",), "/dev/shm/w")
+    with pytest.raises(ConfigError, match="weights_dir is for engine processes"):
+        load_config(write(tmp_path), ["--engine.weights_dir", "/dev/shm/w"])
+
+
 def test_overrides_keep_their_types_and_reach_any_field(tmp_path: Path) -> None:
     assert parse_overrides(["--a.b", "2", "--a.c=0.5", "--a.d", "true", "--a.e", "[1, 2]"]) == [
         ("a.b", 2),
@@ -128,6 +143,15 @@ def test_overrides_keep_their_types_and_reach_any_field(tmp_path: Path) -> None:
         (('function = "pkg.mod:fn"', 'function = "fn"'), r"rewards.0.function: must be"),
         (("[output]", '[engine]\nkind = "urls"\n[output]'), r"engine: .*needs urls"),
         (("[output]", '[engine]\nkind = "gpu"\n[output]'), r"engine.kind: "),
+        (("[output]", '[engine]\non_load = "keep"\n[output]'), r'on_load apply to kind = "vllm"'),
+        (
+            ("[output]", '[engine]\nkind = "vllm"\npython = "/no/python"\n[output]'),
+            r"/no/python is not an executable Python interpreter",
+        ),
+        (
+            ("[output]", '[engine]\nkind = "vllm"\nurls = ["http://h:1"]\nargs = ["-x"]\n[output]'),
+            r"with urls none is launched",
+        ),
         (("[output]", "[scheduler]\nahead = 3\n[output]"), r"scheduler.max_lag: max_lag=1 < ahead"),
         (("[output]", '[scheduler]\nestimator = "best"\n[output]'), r"scheduler.estimator: "),
         (("[output]", "[objective]\nclip = -1.0\n[output]"), r"objective.clip: "),

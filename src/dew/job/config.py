@@ -10,7 +10,8 @@ A config has these sections (each a table; ``[[rewards]]`` an array of tables)::
     [objective]  clip, clip_high, importance_cap, kl_coef of GRPOObjective
     [training]   steps, tasks, lr, warmup_steps, schedule, max_grad_norm,
                  micro_batches, seed, ...
-    [engine]     kind ("in-process", "fleet", "urls"), engines, urls
+    [engine]     kind ("in-process", "fleet", "urls", "vllm"), engines, urls,
+                 weights_dir, and for vLLM: python, args, on_load
     [output]     run_dir, checkpoint_every, keep, export_every, tensorboard, wandb, ...
 
 The sampling, scheduler and objective sections are built from the library's own
@@ -169,9 +170,19 @@ class TrainingSection(_Section):
 
 
 class EngineSection(_Section):
-    kind: Literal["in-process", "fleet", "urls"] = "in-process"
-    engines: int = 2  # kind = "fleet": local dew serve processes
-    urls: tuple[str, ...] = ()  # kind = "urls": running dew serve servers
+    kind: Literal["in-process", "fleet", "urls", "vllm"] = "in-process"
+    engines: int = 2  # kind = "fleet" or "vllm": local engine processes
+    urls: tuple[str, ...] = ()  # kind = "urls": dew serve servers; "vllm": vLLM servers
+    # kind = "vllm" only: the vLLM environment's interpreter for launched servers (none:
+    # $DEW_VLLM_PYTHON), more vLLM server flags, and what a weight push does to the
+    # requests in flight (none: VLLMEngine's default).
+    python: str | None = None
+    args: tuple[str, ...] = ()
+    on_load: Literal["recompute", "keep"] | None = None
+    # Where weight pushes are written for engine processes to read (none: a private
+    # folder in shared memory); servers started elsewhere must be able to read it (a vLLM
+    # server reads only its DEW_VLLM_WEIGHTS_DIR, when set).
+    weights_dir: str | None = None
 
     @field_validator("engines")
     @classmethod
@@ -184,6 +195,18 @@ class EngineSection(_Section):
     def _urls_for_urls(self) -> EngineSection:
         if self.kind == "urls" and not self.urls:
             raise ValueError('kind = "urls" needs urls = ["http://host:port", ...]')
+        vllm_only = {"python": self.python, "args": self.args, "on_load": self.on_load}
+        stray = [name for name, value in vllm_only.items() if value and self.kind != "vllm"]
+        if stray:
+            raise ValueError(f'{", ".join(stray)} apply to kind = "vllm" only')
+        if self.kind == "vllm" and self.urls and (self.python or self.args):
+            raise ValueError("python and args launch vLLM servers; with urls none is launched")
+        if self.weights_dir and self.kind == "in-process":
+            raise ValueError("weights_dir is for engine processes; in-process needs none")
+        if self.kind == "vllm" and not self.urls:
+            from dew.serving.vllm import vllm_python
+
+            vllm_python(self.python)  # a missing vLLM environment, said before anything runs
         return self
 
 

@@ -386,10 +386,35 @@ def _engine(config: JobConfig, model: Any, max_batch: int, stack: ExitStack) -> 
             model=config.model.path,
             seed=config.training.seed,
             args=["--max-batch", str(max_batch)],
+            weights_dir=config.engine.weights_dir,
         )
+    elif kind == "vllm":
+        engine = _vllm_fleet(config)
     else:
         from dew.serving.fleet import EngineFleet
 
-        engine = EngineFleet(list(config.engine.urls))
+        engine = EngineFleet(list(config.engine.urls), weights_dir=config.engine.weights_dir)
     stack.callback(engine.close)
     return engine
+
+
+def _vllm_fleet(config: JobConfig) -> Any:
+    """vLLM servers at ``urls``, or ``engines`` launched from the vLLM environment."""
+    from dew.serving.fleet import EngineFleet
+
+    e = config.engine
+    options = {} if e.on_load is None else {"on_load": e.on_load}
+    if e.urls:
+        return EngineFleet(
+            list(e.urls), engine="vllm", engine_options=options, weights_dir=e.weights_dir
+        )
+    return EngineFleet.launch(
+        e.engines,
+        model=config.model.path,
+        engine="vllm",
+        python=e.python,
+        args=e.args,
+        seed=config.training.seed,
+        engine_options=options,
+        weights_dir=e.weights_dir,
+    )

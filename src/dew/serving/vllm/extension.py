@@ -22,7 +22,9 @@ wrong on vLLM's CPU backend are handled here:
   push sequence's job (it resets the cache, or salts requests by version).
 
 Versions: the extension keeps the version and checksum it serves. An older version is
-refused; the same version is a no-op when the checksum matches and refused otherwise.
+refused; the same version is a no-op when the checksum matches and refused otherwise,
+except over the weights the server started with (version 0, no checksum), which a push
+of version 0 replaces: a trainer's first push is its version 0.
 ``DEW_VLLM_WEIGHTS_DIR``, when set in the server's environment, is the only folder
 whose files it reads (a launched server has it set to the fleet's folder).
 """
@@ -81,7 +83,7 @@ class WorkerExtension:
             return {"refused": str(exc)}
         if weights.version != want:
             return {"refused": f"{path} holds version {weights.version}, not {want}"}
-        if want == self._dew_version:
+        if want == self._dew_version and self._dew_checksum is not None:
             if weights.checksum == self._dew_checksum:
                 return {"version": want, "unchanged": True}
             return {"refused": f"version {want} is served already, with other weights"}
