@@ -1,9 +1,11 @@
 """EngineFleet: many engine servers as one :class:`~dew.core.Engine` and one Publisher.
 
-An :class:`EngineFleet` fronts ``dew serve`` processes, each driven by an
-:class:`~dew.serving.http_engine.HTTPEngine`: given by URL or as engines, or started
-here as local processes (:meth:`EngineFleet.launch`). Sources see one engine; the
-trainer publishes to one :class:`~dew.core.Publisher`.
+An :class:`EngineFleet` fronts engine servers of one kind: ``dew serve`` processes,
+each driven by an :class:`~dew.serving.http_engine.HTTPEngine`, or vLLM servers, each
+driven by a :class:`~dew.serving.vllm.VLLMEngine` (``engine="vllm"``); given by URL or
+as engines, or started here as local processes (:meth:`EngineFleet.launch`). Sources
+see one engine; the trainer publishes to one :class:`~dew.core.Publisher`. Every rule
+below holds for both kinds; routing through sglang-router is for ``dew serve`` only.
 
 Routing: a call goes to the member in rotation with the fewest calls in flight (ties:
 the one that got fewer calls so far). Calls with equal ``affinity`` (a group's samples,

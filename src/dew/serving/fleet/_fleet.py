@@ -4,9 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 import shutil
-import sys
 import tempfile
 import threading
 import time
@@ -31,10 +29,10 @@ from dew.serving.fleet._parts import (
     UP,
     FleetCall,
     FleetFuture,
-    Local,
     Member,
     MemberInfo,
     Process,
+    local_processes,
     member_class,
     settle,
 )
@@ -210,30 +208,14 @@ class EngineFleet(Care, Engine):
             raise ValueError("launch needs count >= 1 and exactly one of demo= or model=")
         if engine not in ENGINES:
             raise ValueError(f"engine={engine!r} is not one of {sorted(ENGINES)}")
-        locals_: list[Any]
-        if engine == "vllm":
-            if model is None or router is not None:
-                raise ValueError("engine='vllm' serves a model folder (model=), with no router")
-            from dew.serving.vllm import VLLMProcess, vllm_python
-
-            interpreter = vllm_python(python)
-            if kwargs.get("weights_dir") is None:
-                shm = SHM if SHM.is_dir() else None
-                kwargs.update(weights_dir=tempfile.mkdtemp(prefix="dew-fleet-", dir=shm))
-                kwargs.update(_own_dir=True)
-            vllm_args = [*args, "--seed", str(seed)]
-            locals_ = [
-                VLLMProcess(
-                    interpreter, model, weights_dir=kwargs["weights_dir"], args=vllm_args, env=env
-                )
-                for _ in range(count)
-            ]
-        else:
-            what = ["--demo", demo] if demo is not None else ["--model", str(model)]
-            argv = [sys.executable, "-m", "dew.serve", *what, "--seed", str(seed)]
-            argv += [*args, "--host", "127.0.0.1", "--port", "0"]
-            environ = None if env is None else {**os.environ, **env}
-            locals_ = [Local(list(argv), environ) for _ in range(count)]
+        if engine == "vllm" and kwargs.get("weights_dir") is None:
+            shm = SHM if SHM.is_dir() else None
+            kwargs.update(weights_dir=tempfile.mkdtemp(prefix="dew-fleet-", dir=shm))
+            kwargs.update(_own_dir=True)
+        locals_ = local_processes(
+            engine, count, demo=demo, model=model, seed=seed, args=args, env=env,
+            python=python, router=router, weights_dir=kwargs.get("weights_dir"),
+        )  # fmt: skip
         never = threading.Event()
         urls: list[Future[str]] = []
         with ThreadPoolExecutor(max_workers=count) as pool:

@@ -8,10 +8,11 @@ import os
 import selectors
 import signal
 import subprocess
+import sys
 import tempfile
 import threading
 import time
-from collections.abc import Hashable
+from collections.abc import Hashable, Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -37,6 +38,39 @@ def member_class(kind: str) -> Any:
     """The engine class of members of ``kind`` (a key of :data:`ENGINES`)."""
     module, name = ENGINES[kind]
     return getattr(importlib.import_module(module), name)
+
+
+def local_processes(
+    engine: str,
+    count: int,
+    *,
+    demo: str | None,
+    model: str | os.PathLike[str] | None,
+    seed: int,
+    args: Sequence[str],
+    env: Mapping[str, str] | None,
+    python: str | os.PathLike[str] | None,
+    router: str | None,
+    weights_dir: str | os.PathLike[str] | None,
+) -> list[Process]:
+    """The ``count`` local servers :meth:`EngineFleet.launch` starts (its docstring)."""
+    if engine == "vllm":
+        if model is None or router is not None:
+            raise ValueError("engine='vllm' serves a model folder (model=), with no router")
+        from dew.serving.vllm import VLLMProcess, vllm_python
+
+        interpreter = vllm_python(python)
+        assert weights_dir is not None
+        vllm_args = [*args, "--seed", str(seed)]
+        return [
+            VLLMProcess(interpreter, model, weights_dir=weights_dir, args=vllm_args, env=env)
+            for _ in range(count)
+        ]
+    what = ["--demo", str(demo)] if demo is not None else ["--model", str(model)]
+    argv = [sys.executable, "-m", "dew.serve", *what, "--seed", str(seed)]
+    argv += [*args, "--host", "127.0.0.1", "--port", "0"]
+    environ = None if env is None else {**os.environ, **env}
+    return [Local(list(argv), environ) for _ in range(count)]
 
 
 class Process(Protocol):
