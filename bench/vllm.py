@@ -14,9 +14,11 @@ its own process, interleaved per seed so the machine's drift hits all alike:
 
 Each run starts its engine, then its clock: seconds to the reward threshold (the first
 10-step window whose mean reaches it), steps to it, seconds per step and completions
-per second; the engine's start-up is reported apart. Figures are medians over the seeds
-with their range. TRL's ``GRPOTrainer`` in its vLLM server mode is not run: see
-``TRL_VLLM`` (printed with the results).
+per second; the engine's start-up is reported apart. After training, with the
+scheduler closed, what a step asks of the engine is timed alone: one weight push, and
+one step's rollouts submitted at once (where the per-step time goes). Figures are
+medians over the seeds with their range. TRL's ``GRPOTrainer`` in its vLLM server mode
+is not run: see ``TRL_VLLM`` (printed with the results).
 
 ``--write`` replaces the ``## vllm`` section of bench/RESULTS.md and its summary row;
 ``--tiny`` runs every engine for a few steps on one seed and writes nothing.
@@ -114,7 +116,29 @@ def run_one(spec: RunSpec, kind: str, engines: int, vllm_python: str) -> dict[st
             )  # fmt: skip
         except Enough:
             pass
-    return {"result": json.loads(result.to_json()), "startup": startup}
+        job.scheduler.close()  # its rollouts in flight are cancelled: the engine is idle
+        costs = step_costs(job.server, job.model, rows, config.max_tokens)
+    return {"result": json.loads(result.to_json()), "startup": startup, **costs}
+
+
+def step_costs(engine: Any, model: Any, rows: int, max_tokens: int) -> dict[str, float]:
+    """What a training step asks of the engine, each timed alone (medians of 5): one
+    weight push, and one step's rollouts (``rows`` completions of ``max_tokens``
+    tokens of a 20-token prompt, submitted at once)."""
+    from dew.core import SamplingParams
+
+    pushes, batches = [], []
+    params = SamplingParams(max_tokens=max_tokens, temperature=1.0, stop_ids=())
+    prompt = [6 + (i * 7) % 90 for i in range(20)]
+    for _ in range(5):
+        started = time.monotonic()
+        engine.load(model, engine.version + 1)
+        pushes.append(time.monotonic() - started)
+        started = time.monotonic()
+        for future in [engine.submit(prompt, params) for _ in range(rows)]:
+            future.result(timeout=120)
+        batches.append(time.monotonic() - started)
+    return {"push": statistics.median(pushes), "batch": statistics.median(batches)}
 
 
 def run_worker(spec: RunSpec, kind: str, engines: int, vllm_python: str) -> dict[str, Any]:
@@ -143,8 +167,8 @@ def report(runs: dict[str, list[dict[str, Any]]], threshold: float) -> tuple[str
     """The results table and the medians the ratios use."""
     lines = [
         f"| engine | seconds to reward {threshold} | steps to it | s/step | completions/s "
-        "| reached | engine start-up s |",
-        "|---|---|---|---|---|---|---|",
+        "| reached | engine start-up s | push ms | one step's rollouts ms |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     medians: dict[str, dict[str, float]] = {}
     for label, outs in runs.items():
@@ -157,7 +181,9 @@ def report(runs: dict[str, list[dict[str, Any]]], threshold: float) -> tuple[str
         lines.append(
             f"| {label} | {_spread(secs, '.1f')} | {_spread(steps, '.0f')} | "
             f"{_spread(per_step, '.3f')} | {_spread(cps, ',.0f')} | "
-            f"{len(secs)}/{len(results)} | {_spread([o['startup'] for o in outs], '.1f')} |"
+            f"{len(secs)}/{len(results)} | {_spread([o['startup'] for o in outs], '.1f')} | "
+            f"{_spread([1000 * o['push'] for o in outs], '.1f')} | "
+            f"{_spread([1000 * o['batch'] for o in outs], '.1f')} |"
         )
         medians[label] = {
             "seconds": statistics.median(secs) if len(secs) == len(results) else float("nan"),

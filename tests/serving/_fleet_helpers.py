@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import signal
+import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
@@ -46,6 +49,31 @@ def wait_for(
             return members
         assert time.monotonic() < deadline, f"{why}: {members}"
         time.sleep(0.05)
+
+
+def kill_while_it_holds_calls(
+    fleet: EngineFleet, index: int, pid: int, over: threading.Event, within: float
+) -> bool:
+    """SIGKILL ``pid``, member ``index``'s process, while it holds calls it has not
+    answered; False when ``over`` was set first (the run ended).
+
+    A call in flight at the kill is not enough: its answer may sit in the socket
+    already, and the fleet reads it after the process is gone. So the member is frozen
+    (SIGSTOP), the fleet is given time to read what was sent, and the kill lands only
+    if calls still wait on it (else SIGCONT, and the next calls are tried)."""
+    deadline = time.monotonic() + within
+    while time.monotonic() < deadline:
+        while fleet.members()[index].in_flight == 0 and not over.wait(0.001):
+            pass
+        if over.is_set():
+            return False
+        os.kill(pid, signal.SIGSTOP)
+        time.sleep(0.5)
+        if fleet.members()[index].in_flight > 0:
+            break
+        os.kill(pid, signal.SIGCONT)
+    os.kill(pid, signal.SIGKILL)
+    return True
 
 
 def by_url(fleet: EngineFleet, url: str) -> MemberInfo:

@@ -30,6 +30,7 @@ from ._fleet_helpers import (
     ONE_THREAD,
     by_url,
     check_exactly_once,
+    kill_while_it_holds_calls,
     rewards,
     start_servers,
     train,
@@ -157,36 +158,25 @@ def test_chaos_a_member_killed_mid_run(tmp_path: Path) -> None:
     note = f"seed {seed}: SIGKILL after step {kill_at} + {delay:.2f}s"
     seen: list[int] = []
     killed: list[int] = []
+    over = threading.Event()  # the run ended: the killer gives up
     with EngineFleet.launch(2, demo="tiny", env=ONE_THREAD, health_interval=0.5) as fleet:
         index = rng.randrange(2)
         victim = fleet.members()[index]
 
         def kill() -> None:
-            deadline = time.monotonic() + 300
-            while len(seen) < kill_at and time.monotonic() < deadline:
-                time.sleep(0.01)
-            time.sleep(delay)
-            assert victim.pid is not None
-            # Land while the victim holds calls it has not answered. A call in flight at
-            # the kill is not enough: its answer may sit in the socket already, and the
-            # fleet reads it after the process is gone. So freeze the victim, give the
-            # fleet time to read what was sent, and kill only if calls still wait on it.
-            while time.monotonic() < deadline:
-                while fleet.members()[index].in_flight == 0 and time.monotonic() < deadline:
-                    time.sleep(0.001)
-                os.kill(victim.pid, signal.SIGSTOP)
-                time.sleep(0.5)
-                if fleet.members()[index].in_flight > 0:
-                    break
-                os.kill(victim.pid, signal.SIGCONT)
-            os.kill(victim.pid, signal.SIGKILL)
-            killed.append(len(seen))
+            while len(seen) < kill_at and not over.wait(0.01):
+                pass
+            if not over.wait(delay) and kill_while_it_holds_calls(
+                fleet, index, victim.pid, over, 300
+            ):
+                killed.append(len(seen))
 
         killer = threading.Thread(target=kill)
         killer.start()
         try:
             records, dataset = train(fleet, tmp_path, steps, log=[lambda r: seen.append(1)])
         finally:
+            over.set()
             killer.join()
         assert killed, f"the engine was never killed ({note})"
         check_exactly_once(records, dataset, steps)

@@ -158,6 +158,30 @@ def test_bad_pushes_are_refused_and_the_old_weights_keep_serving(
     assert engine.version == version
 
 
+def test_a_broadcast_push_serves_exactly_the_sent_weights(engine: VLLMEngine) -> None:
+    _push_own(engine, 61)
+    group = engine.open_broadcast()  # gloo here; the same code carries NCCL on GPUs
+    try:
+        for seed in (62, 63):
+            model, version = lively(seed), engine.version + 1
+            engine.load_broadcast(group, model, version)
+            assert engine.version == version and _label(engine.url) == str(version)
+            call = engine.generate(PROMPT, SamplingParams(max_tokens=16, temperature=T))
+            assert call.version == version
+            _close(call.log_probs, log_probs(model, PROMPT, call.completion, T))
+            # Refused before anything is sent, so the group stays usable for the next.
+            with pytest.raises(ValueError, match="not newer"):
+                engine.load_broadcast(group, model, version)
+            state = lively(64).state_dict()
+            q = "model.layers.1.self_attn.q_proj.weight"
+            state[q] = torch.zeros(3, 3)
+            with pytest.raises(ValueError, match="shape"):
+                engine.load_broadcast(group, state, version + 1)
+            assert engine.health() and engine.version == version
+    finally:
+        group.close()
+
+
 def _raw(url: str, prompt: list[int], tokens: int) -> dict:
     """A generation straight through vLLM's API: its tokens, log-probs and weight spans."""
     body = {

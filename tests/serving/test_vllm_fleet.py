@@ -9,11 +9,8 @@ again and the fleet brings it to its version before it gets work, and the reward
 
 from __future__ import annotations
 
-import os
 import random
-import signal
 import threading
-import time
 from pathlib import Path
 
 import pytest
@@ -21,7 +18,13 @@ import pytest
 from dew.core import SamplingParams
 from dew.serving.fleet import EngineFleet
 
-from ._fleet_helpers import check_exactly_once, rewards, train, wait_for
+from ._fleet_helpers import (
+    check_exactly_once,
+    kill_while_it_holds_calls,
+    rewards,
+    train,
+    wait_for,
+)
 from ._helpers import chaos_seed
 from ._vllm import ARGS, ENV, SIZE, python, save_model
 
@@ -51,27 +54,12 @@ def test_a_vllm_fleet_trains_and_loses_nothing_to_a_killed_server(tmp_path: Path
         assert victim.pid is not None
 
         def kill() -> None:
-            deadline = time.monotonic() + 600
             while len(seen) < kill_at and not over.wait(0.01):
                 pass
-            if over.is_set():
-                return
-            time.sleep(delay)
-            # Land while the victim holds calls it has not answered (an answer already
-            # in the socket is read after the process is gone): freeze it, give the
-            # fleet time to read what was sent, and kill only if calls still wait on it.
-            while time.monotonic() < deadline:
-                while fleet.members()[index].in_flight == 0 and not over.wait(0.001):
-                    pass
-                if over.is_set():
-                    return
-                os.kill(victim.pid, signal.SIGSTOP)
-                time.sleep(0.5)
-                if fleet.members()[index].in_flight > 0:
-                    break
-                os.kill(victim.pid, signal.SIGCONT)
-            os.kill(victim.pid, signal.SIGKILL)
-            killed.append(len(seen))
+            if not over.wait(delay) and kill_while_it_holds_calls(
+                fleet, index, victim.pid, over, 600
+            ):
+                killed.append(len(seen))
 
         killer = threading.Thread(target=kill)
         killer.start()

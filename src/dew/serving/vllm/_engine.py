@@ -44,16 +44,23 @@ finish reason ``abort`` and its tokens so far.
 
 from __future__ import annotations
 
+import asyncio
+import json
+import socket
 import threading
 from collections.abc import Mapping
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from dew.core import Aborted, Call, EngineError, SamplingParams
 from dew.core._checks import as_int
 from dew.serving._http_base import LoopEngine, Pending
 from dew.serving._http_client import Pool, TransportError
 from dew.serving._requests import Request
+
+if TYPE_CHECKING:
+    from dew.serving.weights import BroadcastGroup
 
 __all__ = ["ON_LOAD", "VLLMEngine"]
 
@@ -150,6 +157,7 @@ class VLLMEngine(LoopEngine):
         self._max_len = as_int(info["max_len"], "max_len")
         self._vocab = as_int(info["vocab_size"], "vocab_size")
         self._eos = tuple(as_int(t, "eos_token_ids") for t in info["eos_token_ids"])
+        self._workers = as_int(info["workers"], "workers")
         self._set_version(as_int(info["version"], "version"), exact=True)
 
     def _generation(self, request: Request, params: SamplingParams, rid: str) -> dict[str, Any]:
@@ -241,19 +249,21 @@ class VLLMEngine(LoopEngine):
         self._check_not_loop("load_file()")
         version = as_int(version, "version")
         with self._push_lock:
-            self._block(self._push(str(Path(path).resolve()), version))
+            self._block(self._push("dew_load", str(Path(path).resolve()), str(version)))
         self._set_version(version, exact=True)
 
-    async def _push(self, path: str, version: int) -> None:
+    async def _push(self, method: str, *args: str) -> None:
+        """Pause, have the extension's ``method`` load the weights, label them, reset or
+        keep the requests in flight (``on_load``), resume."""
         # clear_cache=false: vLLM would otherwise recompute the running requests even
         # under mode=keep; whether they are recomputed is on_load's to say (below).
         await self._request("POST", "/pause?mode=keep&clear_cache=false", None)
         try:
-            answer = await self._rpc("dew_load", path, str(version))
+            answer = await self._rpc(method, *args)
             if "refused" in answer:
                 raise ValueError(f"{self._url}: weights refused: {answer['refused']}")
             if not answer.get("unchanged"):
-                label = {"new_version": str(version)}
+                label = {"new_version": str(answer["version"])}
                 await self._request("POST", "/update_weight_version", label)
                 if self._on_load == "recompute":
                     path_ = "/reset_prefix_cache?reset_running_requests=true"
@@ -261,6 +271,62 @@ class VLLMEngine(LoopEngine):
                         raise EngineError(f"{self._url}: the prefix cache was not reset")
         finally:
             await self._request("POST", "/resume", None)
+
+    # ------------------------------------------------------------------ broadcast
+
+    def open_broadcast(
+        self,
+        address: str = "127.0.0.1",
+        *,
+        backend: str = "gloo",
+        group_name: str = "dew",
+        timeout: float = 300.0,
+    ) -> BroadcastGroup:
+        """Open a broadcast group of this trainer (rank 0, its store on a free port of
+        ``address``, which the server must reach) and the server's workers (ranks 1 and
+        up, one per tensor-parallel worker), for :meth:`load_broadcast`. ``backend``:
+        ``"gloo"`` (CPU tensors) or ``"nccl"`` (GPUs; not yet run by dew's tests). The
+        caller closes the group."""
+        from dew.serving.weights import BroadcastGroup
+
+        self._check_not_loop("open_broadcast()")
+        port = free_port(address)
+        world = 1 + self._workers
+        args = [address, str(port), "1", str(world), backend, group_name, str(timeout)]
+        with ThreadPoolExecutor(max_workers=1, thread_name_prefix="vllm-join") as pool:
+            joined = pool.submit(self._block, self._rpc("dew_join", *args))
+            group = BroadcastGroup(
+                address, port, world, backend=backend, group_name=group_name, timeout=timeout
+            )
+            error = joined.exception()
+        if error is not None:
+            group.close()
+            raise EngineError(f"{self._url}: the server did not join the group: {error}")
+        return group
+
+    def load_broadcast(self, group: BroadcastGroup, variables: Any, version: int) -> None:
+        """Send ``variables`` through ``group`` (:meth:`open_broadcast`) and serve them
+        as ``version`` (strictly newer than the served one): the push sequence of the
+        module docstring, with the tensors broadcast instead of read from a file. Names
+        and shapes are checked by the server before anything is sent; a refusal raises
+        ``ValueError`` and changes nothing."""
+        from dew.serving.weights import tensor_specs
+
+        self._check_not_loop("load_broadcast()")
+        version = as_int(version, "version")
+        specs = json.dumps(tensor_specs(variables))
+        with self._push_lock:
+            check = self._block(self._rpc("dew_check_broadcast", str(version), specs))
+            if "refused" in check:
+                raise ValueError(f"{self._url}: broadcast refused: {check['refused']}")
+            receive = asyncio.run_coroutine_threadsafe(
+                self._push("dew_receive", str(version), specs), self._loop
+            )
+            try:
+                group.broadcast(variables)
+            finally:
+                receive.result(timeout=self._timeout)
+        self._set_version(version, exact=True)
 
     async def _rpc(self, method: str, *args: str) -> dict[str, Any]:
         """Call the extension's ``method`` on the server's worker; its answer."""
@@ -300,3 +366,10 @@ def _span_versions(spans: object, tokens: int) -> list[int]:
     if at != tokens:
         raise ValueError(f"weight_versions spans cover {at} of {tokens} tokens")
     return versions
+
+
+def free_port(address: str) -> int:
+    """A TCP port of ``address`` free now (a server started next takes it)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((address, 0))
+        return int(s.getsockname()[1])

@@ -22,7 +22,6 @@ import contextlib
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import tempfile
 import threading
@@ -34,7 +33,7 @@ from pathlib import Path
 from typing import IO
 
 from dew.core import EngineError
-from dew.serving.vllm._engine import server_args
+from dew.serving.vllm._engine import free_port, server_args
 from dew.serving.vllm.extension import WEIGHTS_DIR_ENV
 
 __all__ = ["PYTHON_ENV", "VLLMProcess", "vllm_python"]
@@ -86,7 +85,7 @@ class VLLMProcess:
 
     def start(self, deadline: float, stopping: threading.Event) -> str:
         """Start the server; its URL once ``/health`` answers within ``deadline`` s."""
-        port = _free_port()
+        port = free_port("127.0.0.1")
         self._path_dir = tempfile.mkdtemp(prefix="dew-vllm-path-")
         os.symlink(Path(__file__).resolve().parents[2], Path(self._path_dir) / "dew")
         argv = [str(self.python), "-m", "vllm.entrypoints.openai.api_server"]
@@ -152,12 +151,6 @@ def _stop_group(proc: subprocess.Popen[bytes], grace: float) -> None:
             pass
     signal_group(signal.SIGKILL)  # the engine's children too, even once the server is gone
     proc.wait()
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _healthy(url: str) -> bool:

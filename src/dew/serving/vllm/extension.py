@@ -45,10 +45,12 @@ class WorkerExtension:
     """Mixed into vLLM's worker class by ``--worker-extension-cls``."""
 
     model_runner: Any  # vLLM's, on the worker this class is mixed into
+    vllm_config: Any
 
     _dew_version = 0
     _dew_checksum: str | None = None
     _dew_spec: dict[str, tuple[int, ...]] | None = None
+    _dew_group: Any = None  # this worker's membership in the trainer's broadcast group
 
     # ---------------------------------------------------------------- called over RPC
 
@@ -63,6 +65,7 @@ class WorkerExtension:
             "eos_token_ids": _eos_ids(config),
             "max_len": int(config.max_model_len),
             "version": self._dew_version,
+            "workers": int(self.vllm_config.parallel_config.world_size),
         }
 
     def dew_load(self, path: str, version: str) -> dict[str, Any]:
@@ -96,33 +99,96 @@ class WorkerExtension:
         self._dew_version, self._dew_checksum = want, weights.checksum
         return {"version": want}
 
+    def dew_join(
+        self, address: str, port: str, rank_offset: str, world_size: str, backend: str,
+        group_name: str, timeout: str,
+    ) -> dict[str, Any]:  # fmt: skip
+        """Join the trainer's broadcast group (:class:`dew.serving.weights.BroadcastGroup`,
+        rank 0) at ``rank_offset`` plus this worker's rank; blocks until all joined."""
+        from dew.serving.weights import join_group
+
+        rank = int(rank_offset) + int(getattr(self, "rank", 0))
+        self._dew_group = join_group(
+            address, int(port), rank, int(world_size), backend=backend,
+            group_name=group_name, timeout=float(timeout),
+        )  # fmt: skip
+        return {"rank": rank}
+
+    def dew_check_broadcast(self, version: str, specs: str) -> dict[str, Any]:
+        """Whether a broadcast of ``specs`` (JSON names, dtypes, shapes) as ``version``
+        would be served: asked before anything is sent, as a receiver that refused
+        halfway would strand the sender. ``{}`` or ``{"refused": why}``."""
+        want = int(version)
+        if self._dew_group is None:
+            return {"refused": "no broadcast group joined"}
+        if want <= self._dew_version:  # a broadcast's checksum is known only once it came
+            return {"refused": f"version {want} is not newer than the served {self._dew_version}"}
+        names, _, shapes = json.loads(specs)
+        given = {n: tuple(int(d) for d in shape) for n, shape in zip(names, shapes, strict=True)}
+        why = self._misfit(given)
+        return {"refused": why} if why else {}
+
+    def dew_receive(self, version: str, specs: str) -> dict[str, Any]:
+        """Receive the broadcast :meth:`dew_check_broadcast` accepted and serve it as
+        ``version``."""
+        from dew.serving.weights import checksum, receive_tensors
+
+        if self._dew_group is None:
+            return {"refused": "no broadcast group joined"}
+        names, dtypes, shapes = json.loads(specs)
+        try:
+            tensors = receive_tensors(self._dew_group, names, dtypes, shapes)
+        except Exception as exc:  # a broken group cannot be trusted again
+            self._dew_group = None
+            return {"refused": f"the broadcast failed: {exc}"}
+        fitted, why = self._fit(tensors)
+        if why:
+            return {"refused": why}
+        self.model_runner.reload_weights(weights_iterator=iter(fitted.items()))
+        _repack_tied_heads(self.model_runner.get_model())
+        self._dew_version, self._dew_checksum = int(version), checksum(tensors)
+        return {"version": int(version)}
+
     # ---------------------------------------------------------------- checks
 
-    def _fit(self, tensors: dict[str, Any]) -> tuple[dict[str, Any], str]:
-        """The tensors to load, cast to the served dtype, or why they do not fit: the
-        names must be exactly the checkpoint's (a tied head may be left out or sent),
-        each with the checkpoint's shape. A fused projection loaded from only some of
-        its parts would be silently wrong, so nothing may be missing."""
+    def _misfit(self, shapes: dict[str, tuple[int, ...]]) -> str:
+        """Why tensors of these names and shapes do not fit the served checkpoint ("" if
+        they do): exactly its names (a tied head may be left out or sent), its shapes. A
+        fused projection loaded from only some of its parts would be silently wrong, so
+        nothing may be missing."""
         spec = self._spec()
-        config = self.model_runner.model_config
-        tied = bool(getattr(config.hf_config, "tie_word_embeddings", False))
-        given = dict(tensors)
+        tied = bool(getattr(self.model_runner.model_config.hf_config, "tie_word_embeddings", False))
+        given = dict(shapes)
         if tied and "lm_head.weight" not in spec:
             given.pop("lm_head.weight", None)
         missing = sorted(set(spec) - set(given))
         unknown = sorted(set(given) - set(spec))
         if missing or unknown:
-            return {}, (
+            return (
                 f"names differ from the served model's: missing {missing[:5]}, "
                 f"unknown {unknown[:5]}"
             )
-        for name, t in given.items():
-            if tuple(t.shape) != spec[name]:
-                return {}, f"{name} has shape {list(t.shape)}, the served model {list(spec[name])}"
+        for name, shape in given.items():
+            if shape != spec[name]:
+                return f"{name} has shape {list(shape)}, the served model {list(spec[name])}"
+        return ""
+
+    def _fit(self, tensors: dict[str, Any]) -> tuple[dict[str, Any], str]:
+        """The tensors to load, cast to the served dtype (a tied head sent along is
+        left out), or why they do not fit (:meth:`_misfit`, or values not finite)."""
+        why = self._misfit({name: tuple(t.shape) for name, t in tensors.items()})
+        if why:
+            return {}, why
+        spec = self._spec()
+        dtype = self.model_runner.model_config.dtype
+        fitted = {}
+        for name, t in tensors.items():
+            if name not in spec:
+                continue  # the tied head
             if not (t.is_floating_point() and t.isfinite().all()):
                 return {}, f"{name} is not a finite floating-point tensor"
-        dtype = config.dtype
-        return {name: t.to(dtype) for name, t in given.items()}, ""
+            fitted[name] = t.to(dtype)
+        return fitted, ""
 
     def _spec(self) -> dict[str, tuple[int, ...]]:
         """Name -> shape of every tensor of the checkpoint the server started from."""
