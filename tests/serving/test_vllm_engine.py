@@ -41,6 +41,8 @@ BOUND = 1e-4  # |vLLM's log-prob - the trainer's|, float32 on both sides (seen: 
 T = 0.8
 PROMPT = [10, 11, 12, 13, 14, 15]
 LONG_PROMPT = [6 + (i * 7) % 90 for i in range(150)]  # more than one 128-token KV block
+CONTEXT = 1024
+DECODE = CONTEXT - len(PROMPT)  # the in-flight tests' decode, as long as the context allows
 
 
 @pytest.fixture(scope="module")
@@ -51,7 +53,8 @@ def weights_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory, weights_dir: Path) -> Iterator[VLLMProcess]:
     model = save_model(tmp_path_factory.mktemp("model"))
-    with vllm_server(model, weights_dir) as proc:
+    # A long context, so a decode under test outlasts many pushes.
+    with vllm_server(model, weights_dir, "--max-model-len", str(CONTEXT)) as proc:
         yield proc
 
 
@@ -218,9 +221,10 @@ def test_in_flight_pushes_are_exact_on_each_side_of_every_span(
         # inside it is up to the machine's timing: a decode that ran between two pushes
         # is checked too, and a few attempts must see at least one push inside.
         for attempt in range(10):
-            submitted = engine.version
-            through_engine = engine.submit(PROMPT, SamplingParams(max_tokens=200, stop_ids=()))
-            raw = Worker(lambda: _raw(url, PROMPT, 240))
+            raw = Worker(lambda: _raw(url, PROMPT, DECODE))
+            # Pushes start once the decode runs (a push before it is admitted is wasted).
+            ended = raw.done
+            wait_metric(url, "vllm:num_requests_running", lambda v, e=ended: v >= 1 or e.is_set())
             while not raw.done.is_set():
                 version = engine.version + 1
                 models[version] = pair[version % 2]
@@ -229,7 +233,7 @@ def test_in_flight_pushes_are_exact_on_each_side_of_every_span(
             assert raw.error is None, raw.error
             tokens, spans = raw.result["tokens"], raw.result["spans"]
             spans = [(int(s["version"]), s["start"], s["end"]) for s in spans]
-            assert spans[0][1] == 0 and spans[-1][2] == len(tokens) == 240, spans
+            assert spans[0][1] == 0 and spans[-1][2] == len(tokens) == DECODE, spans
             by_token = [models[v] for v, start, end in spans for _ in range(start, end)]
             if on_load == "keep":  # later tokens attend to the keys/values older weights made
                 want = spliced_log_probs(by_token, PROMPT, tokens, T)
@@ -237,17 +241,24 @@ def test_in_flight_pushes_are_exact_on_each_side_of_every_span(
                 full = {v: log_probs(models[v], PROMPT, tokens, T) for v, _, _ in spans}
                 want = [full[v][i] for v, start, end in spans for i in range(start, end)]
             _close(raw.result["log_probs"], want)
-            # Through the engine: a call is as old as its oldest token (kept prefixes: as
-            # old as the version it was sent under).
-            call = through_engine.result(timeout=120)
-            if on_load == "keep":
-                assert call.version == submitted
-            else:
-                assert submitted <= call.version <= engine.version
             if len(spans) > 1:
                 crossed.append(attempt)
                 break
         assert crossed, "no push landed inside a decode in 10 attempts"
+        # Through the engine: a call is as old as its oldest token (kept prefixes: as old
+        # as the version it was sent under). Alone, as a second decode beside the first
+        # made pushes land in neither on a loaded host.
+        submitted = engine.version
+        through_engine = engine.submit(PROMPT, SamplingParams(max_tokens=DECODE, stop_ids=()))
+        while not through_engine.done():
+            version = engine.version + 1
+            models[version] = pair[version % 2]
+            engine.load(models[version], version)
+        call = through_engine.result()
+        if on_load == "keep":
+            assert call.version == submitted
+        else:
+            assert submitted <= call.version < engine.version
 
 
 def test_an_abort_ends_the_call_at_once_with_its_partial_tokens(engine: VLLMEngine) -> None:
@@ -282,8 +293,8 @@ def test_sampling_it_cannot_score_exactly_is_refused_at_submit(engine: VLLMEngin
     ):
         with pytest.raises(ValueError, match="temperature > 0 and neither top_k nor top_p"):
             engine.submit(PROMPT, params)
-    with pytest.raises(ValueError, match="max_len=256"):
-        engine.submit(PROMPT, SamplingParams(max_tokens=300))
+    with pytest.raises(ValueError, match=f"max_len={CONTEXT}"):
+        engine.submit(PROMPT, SamplingParams(max_tokens=CONTEXT))
     with pytest.raises(ValueError, match="on_load"):
         VLLMEngine(engine.url, on_load="later")
 
