@@ -93,11 +93,7 @@ class WorkerExtension:
         tensors, why = self._fit(weights.tensors)
         if why:
             return {"refused": why}
-        model = self.model_runner.get_model()
-        self.model_runner.reload_weights(weights_iterator=iter(tensors.items()))
-        _repack_tied_heads(model)
-        self._dew_version, self._dew_checksum = want, weights.checksum
-        return {"version": want}
+        return self._serve(tensors, want, weights.checksum)
 
     def dew_join(
         self, address: str, port: str, rank_offset: str, world_size: str, backend: str,
@@ -144,10 +140,15 @@ class WorkerExtension:
         fitted, why = self._fit(tensors)
         if why:
             return {"refused": why}
-        self.model_runner.reload_weights(weights_iterator=iter(fitted.items()))
+        return self._serve(fitted, int(version), checksum(tensors))
+
+    def _serve(self, tensors: dict[str, Any], version: int, digest: str) -> dict[str, Any]:
+        """Load checked tensors in place, pack the tied head again, and serve them as
+        ``version`` with checksum ``digest``."""
+        self.model_runner.reload_weights(weights_iterator=iter(tensors.items()))
         _repack_tied_heads(self.model_runner.get_model())
-        self._dew_version, self._dew_checksum = int(version), checksum(tensors)
-        return {"version": int(version)}
+        self._dew_version, self._dew_checksum = version, digest
+        return {"version": version}
 
     # ---------------------------------------------------------------- checks
 
