@@ -19,8 +19,11 @@ def test_freeze_after_freezes_on_the_nth_step_and_release_undoes_it() -> None:
         warm.step()
         assert gc.get_freeze_count() > 0 and warm.froze
         frozen_now = gc.get_freeze_count()
-        warm.step()  # once only: later steps change nothing
-        assert gc.get_freeze_count() == frozen_now
+        fresh = [[] for _ in range(1000)]  # tracked and alive: a second freeze takes them
+        warm.step()  # once only
+        # The count may shrink: a frozen object another thread frees leaves it.
+        assert gc.get_freeze_count() <= frozen_now
+        del fresh
     finally:
         warm.release()
     assert gc.get_freeze_count() == 0 and not warm.froze
