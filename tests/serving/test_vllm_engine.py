@@ -181,6 +181,26 @@ def test_a_broadcast_push_serves_exactly_the_sent_weights(engine: VLLMEngine) ->
             with pytest.raises(ValueError, match="shape"):
                 engine.load_broadcast(group, state, version + 1)
             assert engine.health() and engine.version == version
+        # Should the check be passed over (two trainers racing), the server's own guard
+        # refuses after receiving the whole broadcast: the sender is not stranded, the
+        # served weights stay, and the group serves the next push.
+        model, version = lively(65), engine.version
+        check = engine._rpc
+
+        async def no_check(method: str, *args: str) -> dict:
+            return {} if method == "dew_check_broadcast" else await check(method, *args)
+
+        engine._rpc = no_check  # type: ignore[method-assign]
+        try:
+            with pytest.raises(ValueError, match="not newer"):
+                engine.load_broadcast(group, model, version)
+        finally:
+            engine._rpc = check  # type: ignore[method-assign]
+        assert engine.health() and engine.version == version
+        engine.load_broadcast(group, model, version + 1)
+        call = engine.generate(PROMPT, SamplingParams(max_tokens=16, temperature=T))
+        assert call.version == version + 1
+        _close(call.log_probs, log_probs(model, PROMPT, call.completion, T))
     finally:
         group.close()
 
@@ -307,3 +327,12 @@ def test_a_server_that_does_not_fit_is_refused_in_one_line(
         with pytest.raises(ValueError, match="--logprobs-mode processed_logprobs") as caught:
             VLLMEngine(proc.url)  # type: ignore[attr-defined]
         assert "\n" not in str(caught.value)
+    # A server on another weight-transfer backend serves file pushes, not broadcasts.
+    other = ("--weight-transfer-config", '{"backend": "nccl"}')
+    with vllm_server(model, weights_dir, *other) as proc:
+        with VLLMEngine(proc.url, weights_dir=weights_dir) as engine:  # type: ignore[attr-defined]
+            with pytest.raises(ValueError, match="backend 'nccl'") as caught:
+                engine.open_broadcast()
+            assert "\n" not in str(caught.value)
+            engine.load(lively(5), 1)
+            assert engine.version == 1

@@ -7,7 +7,8 @@
   (:func:`vllm_python` finds its interpreter); ``EngineFleet.launch(n,
   engine="vllm", ...)`` starts and supervises several;
 * :mod:`dew.serving.vllm.extension`: the worker extension the server loads
-  (``--worker-extension-cls``), the only part that runs inside vLLM.
+  (``--worker-extension-cls``) and, registered by it, dew's backend for vLLM's
+  weight-transfer API (``_transfer``): the only parts that run inside vLLM.
 
 :func:`server_args` lists the server flags the engine needs. Names load on first use:
 importing this package inside a vLLM worker (for the extension) loads nothing else.

@@ -9,8 +9,9 @@ launched server has it): ``VLLM_SERVER_DEV_MODE=1`` (``/pause``, ``/resume``,
 ``--enable-scale-out`` (token ids in and out on ``/inference/v1/generate``),
 ``--logprobs-mode processed_logprobs`` (the log-prob of each token under the
 distribution it was sampled from, temperature applied, which is what the trainer's
-importance weights need) and ``--worker-extension-cls`` naming dew's
-:class:`~dew.serving.vllm.extension.WorkerExtension`. The constructor checks each and
+importance weights need), ``--worker-extension-cls`` naming dew's
+:class:`~dew.serving.vllm.extension.WorkerExtension`, and, for broadcast pushes only,
+``--weight-transfer-config '{"backend": "dew"}'``. The constructor checks each and
 refuses a server without it in one line (``ValueError``); an unreachable server is an
 :class:`~dew.core.EngineError`.
 
@@ -37,7 +38,12 @@ leaves the served weights and version as they were and raises ``ValueError``),
   new request never reuses an old prefix of another version, and its ``Call`` is never
   newer than that version.
 
-Then ``/resume``. Aborts go to ``/abort_requests`` under the id the server gives a
+Then ``/resume``. Broadcast pushes (:meth:`VLLMEngine.load_broadcast`) take the same
+sequence with vLLM's weight-transfer API in place of the file: once the extension has
+checked the names, shapes and version, ``/start_weight_update``, ``/update_weights``
+(dew's transfer backend receives while the trainer broadcasts), ``/finish_weight_update``.
+
+Aborts go to ``/abort_requests`` under the id the server gives a
 request (``generate-tokens-`` and dew's id); the server answers the generation with
 finish reason ``abort`` and its tokens so far.
 """
@@ -48,8 +54,7 @@ import asyncio
 import json
 import socket
 import threading
-from collections.abc import Mapping
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Awaitable, Callable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -58,6 +63,7 @@ from dew.core._checks import as_int
 from dew.serving._http_base import LoopEngine, Pending
 from dew.serving._http_client import Pool, TransportError
 from dew.serving._requests import Request
+from dew.serving.vllm.extension import TRANSFER_BACKEND
 
 if TYPE_CHECKING:
     from dew.serving.weights import BroadcastGroup
@@ -68,6 +74,7 @@ ON_LOAD = ("recompute", "keep")
 EXTENSION = "dew.serving.vllm.extension.WorkerExtension"
 _ID_PREFIX = "generate-tokens-"  # what vLLM's token route puts before a request's id
 _SALT = "dew-v"
+TRANSFER_ARGS = ("--weight-transfer-config", '{"backend": "%s"}' % TRANSFER_BACKEND)
 
 
 def server_args() -> list[str]:
@@ -79,6 +86,7 @@ def server_args() -> list[str]:
         "processed_logprobs",
         "--worker-extension-cls",
         EXTENSION,
+        *TRANSFER_ARGS,
     ]
 
 
@@ -158,6 +166,7 @@ class VLLMEngine(LoopEngine):
         self._vocab = as_int(info["vocab_size"], "vocab_size")
         self._eos = tuple(as_int(t, "eos_token_ids") for t in info["eos_token_ids"])
         self._workers = as_int(info["workers"], "workers")
+        self._transfer = info.get("transfer")
         self._set_version(as_int(info["version"], "version"), exact=True)
 
     def _generation(self, request: Request, params: SamplingParams, rid: str) -> dict[str, Any]:
@@ -248,18 +257,23 @@ class VLLMEngine(LoopEngine):
         fault of the server on the way raises :class:`~dew.core.EngineError`."""
         self._check_not_loop("load_file()")
         version = as_int(version, "version")
+
+        async def load() -> dict[str, Any]:
+            return await self._rpc("dew_load", str(Path(path).resolve()), str(version))
+
         with self._push_lock:
-            self._block(self._push("dew_load", str(Path(path).resolve()), str(version)))
+            self._block(self._push(load))
         self._set_version(version, exact=True)
 
-    async def _push(self, method: str, *args: str) -> None:
-        """Pause, have the extension's ``method`` load the weights, label them, reset or
-        keep the requests in flight (``on_load``), resume."""
+    async def _push(self, load: Callable[[], Awaitable[dict[str, Any]]]) -> None:
+        """Pause, ``load`` the weights (its answer: ``{"version": v}``, maybe with
+        ``"unchanged"``, or ``{"refused": why}``), label them, reset or keep the requests
+        in flight (``on_load``), resume."""
         # clear_cache=false: vLLM would otherwise recompute the running requests even
         # under mode=keep; whether they are recomputed is on_load's to say (below).
         await self._request("POST", "/pause?mode=keep&clear_cache=false", None)
         try:
-            answer = await self._rpc(method, *args)
+            answer = await load()
             if "refused" in answer:
                 raise ValueError(f"{self._url}: weights refused: {answer['refused']}")
             if not answer.get("unchanged"):
@@ -284,48 +298,84 @@ class VLLMEngine(LoopEngine):
     ) -> BroadcastGroup:
         """Open a broadcast group of this trainer (rank 0, its store on a free port of
         ``address``, which the server must reach) and the server's workers (ranks 1 and
-        up, one per tensor-parallel worker), for :meth:`load_broadcast`. ``backend``:
-        ``"gloo"`` (CPU tensors) or ``"nccl"`` (GPUs; not yet run by dew's tests). The
-        caller closes the group."""
+        up, one per worker), through vLLM's ``/init_weight_transfer_engine``, for
+        :meth:`load_broadcast`. The server must run dew's transfer backend (one of
+        :func:`server_args`). ``backend``: ``"gloo"`` (CPU tensors) or ``"nccl"``
+        (GPUs; not yet run by dew's tests). The caller closes the group."""
         from dew.serving.weights import BroadcastGroup
 
         self._check_not_loop("open_broadcast()")
+        if self._transfer != TRANSFER_BACKEND:
+            raise ValueError(
+                f"vLLM at {self._url} runs weight-transfer backend {self._transfer!r}; "
+                f"broadcast pushes need dew's: start it with {' '.join(TRANSFER_ARGS)}"
+            )
         port = free_port(address)
         world = 1 + self._workers
-        args = [address, str(port), "1", str(world), backend, group_name, str(timeout)]
-        with ThreadPoolExecutor(max_workers=1, thread_name_prefix="vllm-join") as pool:
-            joined = pool.submit(self._block, self._rpc("dew_join", *args))
+        init = {
+            "address": address, "port": port, "rank_offset": 1, "world_size": world,
+            "backend": backend, "group_name": group_name, "timeout": timeout,
+        }  # fmt: skip
+        joined = asyncio.run_coroutine_threadsafe(
+            self._request("POST", "/init_weight_transfer_engine", {"init_info": init}), self._loop
+        )
+        try:
             group = BroadcastGroup(
                 address, port, world, backend=backend, group_name=group_name, timeout=timeout
             )
-            error = joined.exception()
-        if error is not None:
+        except BaseException:
+            joined.cancel()
+            raise
+        try:
+            joined.result(timeout=self._timeout)
+        except BaseException as exc:
             group.close()
-            raise EngineError(f"{self._url}: the server did not join the group: {error}")
+            if isinstance(exc, Exception):
+                raise EngineError(f"{self._url}: the server did not join the group: {exc}") from None
+            raise
         return group
 
     def load_broadcast(self, group: BroadcastGroup, variables: Any, version: int) -> None:
         """Send ``variables`` through ``group`` (:meth:`open_broadcast`) and serve them
         as ``version`` (strictly newer than the served one): the push sequence of the
-        module docstring, with the tensors broadcast instead of read from a file. Names
-        and shapes are checked by the server before anything is sent; a refusal raises
-        ``ValueError`` and changes nothing."""
+        module docstring, with vLLM's ``/start_weight_update``, ``/update_weights`` (the
+        server receives while this thread broadcasts) and ``/finish_weight_update`` in
+        place of reading a file. Names and shapes are checked by the server before
+        anything is sent; a refusal raises ``ValueError`` and changes nothing."""
         from dew.serving.weights import tensor_specs
 
         self._check_not_loop("load_broadcast()")
         version = as_int(version, "version")
-        specs = json.dumps(tensor_specs(variables))
+        names, dtypes, shapes = tensor_specs(variables)
+        update = {"version": version, "names": names, "dtype_names": dtypes, "shapes": shapes}
+        sending = threading.Event()  # set once the server receives, or the push ended
+
+        async def load() -> dict[str, Any]:
+            await self._request("POST", "/start_weight_update", None)
+            receiving = asyncio.ensure_future(
+                self._request("POST", "/update_weights", {"update_info": update})
+            )
+            sending.set()
+            try:
+                await receiving
+            finally:  # a session left open would refuse the next push's start
+                await self._request("POST", "/finish_weight_update", {})
+            return await self._rpc("dew_transfer_outcome", str(version))
+
         with self._push_lock:
-            check = self._block(self._rpc("dew_check_broadcast", str(version), specs))
+            check = self._block(
+                self._rpc("dew_check_broadcast", str(version), json.dumps([names, dtypes, shapes]))
+            )
             if "refused" in check:
                 raise ValueError(f"{self._url}: broadcast refused: {check['refused']}")
-            receive = asyncio.run_coroutine_threadsafe(
-                self._push("dew_receive", str(version), specs), self._loop
-            )
+            pushed = asyncio.run_coroutine_threadsafe(self._push(load), self._loop)
+            pushed.add_done_callback(lambda _: sending.set())  # failed before the send
             try:
-                group.broadcast(variables)
+                sending.wait()
+                if not pushed.done():  # the server waits in the collective: send
+                    group.broadcast(variables)
             finally:
-                receive.result(timeout=self._timeout)
+                pushed.result(timeout=self._timeout)
         self._set_version(version, exact=True)
 
     async def _rpc(self, method: str, *args: str) -> dict[str, Any]:

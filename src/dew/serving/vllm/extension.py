@@ -1,4 +1,5 @@
-"""dew's worker extension for vLLM: describes the served model and loads weights files.
+"""dew's worker extension for vLLM: describes the served model, loads weights files, and
+registers dew's backend for vLLM's weight-transfer API.
 
 This module runs inside the vLLM server's worker processes, not in the trainer: start
 the server with ``--worker-extension-cls dew.serving.vllm.extension.WorkerExtension``
@@ -7,7 +8,9 @@ into its worker, so its methods see ``self.model_runner`` and ``self.vllm_config
 trainer's :class:`~dew.serving.vllm.VLLMEngine` calls them through ``/collective_rpc``.
 It imports only torch, safetensors and :mod:`dew.serving.weights` (which needs nothing
 beyond numpy), so a vLLM environment needs dew installed without its dependencies, or
-on its ``PYTHONPATH`` as a launched server has it.
+on its ``PYTHONPATH`` as a launched server has it. Imported where vLLM is installed, it
+registers :mod:`dew.serving.vllm._transfer` under the name ``"dew"`` with vLLM's
+weight-transfer engines, which is how broadcast pushes reach the worker.
 
 ``dew_load(path, version)`` is all-or-nothing: the file is checked whole (its checksum,
 its version, every name and shape against the checkpoint the server started from)
@@ -21,7 +24,8 @@ wrong on vLLM's CPU backend are handled here:
 * keys and values of the old weights stay in the prefix cache: that is the engine's
   push sequence's job (it resets the cache, or salts requests by version).
 
-Versions: the extension keeps the version and checksum it serves. An older version is
+Versions: :class:`ServedWeights`, kept on the model so that the extension and the
+transfer backend share it, holds the version and checksum served. An older version is
 refused; the same version is a no-op when the checksum matches and refused otherwise,
 except over the weights the server started with (version 0, no checksum), which a push
 of version 0 replaces: a trainer's first push is its version 0.
@@ -39,6 +43,7 @@ from typing import Any
 __all__ = ["WorkerExtension"]
 
 WEIGHTS_DIR_ENV = "DEW_VLLM_WEIGHTS_DIR"
+TRANSFER_BACKEND = "dew"  # the name dew's backend has in vLLM's weight-transfer API
 
 
 class WorkerExtension:
@@ -47,25 +52,22 @@ class WorkerExtension:
     model_runner: Any  # vLLM's, on the worker this class is mixed into
     vllm_config: Any
 
-    _dew_version = 0
-    _dew_checksum: str | None = None
-    _dew_spec: dict[str, tuple[int, ...]] | None = None
-    _dew_group: Any = None  # this worker's membership in the trainer's broadcast group
-
     # ---------------------------------------------------------------- called over RPC
 
     def dew_describe(self) -> dict[str, Any]:
         """What the engine checks and needs: the log-prob mode, the vocabulary, the
         end-of-sequence ids (as :class:`~dew.serving.RolloutServer` reads them), the
-        context length, and the version this extension serves."""
+        context length, the version served, and whether dew's transfer backend is on."""
         config = self.model_runner.model_config
+        transfer = getattr(self.vllm_config, "weight_transfer_config", None)
         return {
             "logprobs_mode": str(getattr(config.logprobs_mode, "value", config.logprobs_mode)),
             "vocab_size": int(config.get_vocab_size()),
             "eos_token_ids": _eos_ids(config),
             "max_len": int(config.max_model_len),
-            "version": self._dew_version,
+            "version": self._dew_served().version,
             "workers": int(self.vllm_config.parallel_config.world_size),
+            "transfer": getattr(transfer, "backend", None),
         }
 
     def dew_load(self, path: str, version: str) -> dict[str, Any]:
@@ -74,91 +76,79 @@ class WorkerExtension:
         docstring. Returns ``{"version": v}`` or ``{"refused": why}``."""
         from dew.serving.weights import WeightsError, open_weights
 
+        served = self._dew_served()
         want = int(version)
         allowed = os.environ.get(WEIGHTS_DIR_ENV)
         if allowed and not Path(path).resolve().is_relative_to(Path(allowed).resolve()):
             return {"refused": f"weights are read only from {allowed}"}
-        if want < self._dew_version:
-            return {"refused": f"version {want} is older than the served {self._dew_version}"}
+        if want < served.version:
+            return {"refused": f"version {want} is older than the served {served.version}"}
         try:
             weights = open_weights(path)
         except WeightsError as exc:
             return {"refused": str(exc)}
         if weights.version != want:
             return {"refused": f"{path} holds version {weights.version}, not {want}"}
-        if want == self._dew_version and self._dew_checksum is not None:
-            if weights.checksum == self._dew_checksum:
+        if want == served.version and served.checksum is not None:
+            if weights.checksum == served.checksum:
                 return {"version": want, "unchanged": True}
             return {"refused": f"version {want} is served already, with other weights"}
-        tensors, why = self._fit(weights.tensors)
+        tensors, why = served.fit(weights.tensors)
         if why:
             return {"refused": why}
-        return self._serve(tensors, want, weights.checksum)
-
-    def dew_join(
-        self, address: str, port: str, rank_offset: str, world_size: str, backend: str,
-        group_name: str, timeout: str,
-    ) -> dict[str, Any]:  # fmt: skip
-        """Join the trainer's broadcast group (:class:`dew.serving.weights.BroadcastGroup`,
-        rank 0) at ``rank_offset`` plus this worker's rank; blocks until all joined."""
-        from dew.serving.weights import join_group
-
-        rank = int(rank_offset) + int(getattr(self, "rank", 0))
-        self._dew_group = join_group(
-            address, int(port), rank, int(world_size), backend=backend,
-            group_name=group_name, timeout=float(timeout),
-        )  # fmt: skip
-        return {"rank": rank}
+        served.serve(self.model_runner.reload_weights, tensors, want, weights.checksum)
+        return {"version": want}
 
     def dew_check_broadcast(self, version: str, specs: str) -> dict[str, Any]:
         """Whether a broadcast of ``specs`` (JSON names, dtypes, shapes) as ``version``
-        would be served: asked before anything is sent, as a receiver that refused
-        halfway would strand the sender. ``{}`` or ``{"refused": why}``."""
-        want = int(version)
-        if self._dew_group is None:
-            return {"refused": "no broadcast group joined"}
-        if want <= self._dew_version:  # a broadcast's checksum is known only once it came
-            return {"refused": f"version {want} is not newer than the served {self._dew_version}"}
+        would be served by dew's transfer backend: asked before anything is sent, as a
+        receiver that refused halfway would strand the sender. ``{}`` or
+        ``{"refused": why}``."""
         names, _, shapes = json.loads(specs)
         given = {n: tuple(int(d) for d in shape) for n, shape in zip(names, shapes, strict=True)}
-        why = self._misfit(given)
+        why = self._dew_served().broadcast_misfit(int(version), given)
         return {"refused": why} if why else {}
 
-    def dew_receive(self, version: str, specs: str) -> dict[str, Any]:
-        """Receive the broadcast :meth:`dew_check_broadcast` accepted and serve it as
-        ``version``."""
-        from dew.serving.weights import checksum, receive_tensors
+    def dew_transfer_outcome(self, version: str) -> dict[str, Any]:
+        """How the last push through dew's transfer backend ended: ``{"version": v}``
+        once ``version`` is served, else ``{"refused": why}``."""
+        served = self._dew_served()
+        if served.version == int(version) and not served.refused:
+            return {"version": served.version}
+        return {"refused": served.refused or f"version {version} was not loaded"}
 
-        if self._dew_group is None:
-            return {"refused": "no broadcast group joined"}
-        names, dtypes, shapes = json.loads(specs)
-        try:
-            tensors = receive_tensors(self._dew_group, names, dtypes, shapes)
-        except Exception as exc:  # a broken group cannot be trusted again
-            self._dew_group = None
-            return {"refused": f"the broadcast failed: {exc}"}
-        fitted, why = self._fit(tensors)
-        if why:
-            return {"refused": why}
-        return self._serve(fitted, int(version), checksum(tensors))
+    def _dew_served(self) -> ServedWeights:
+        return served_weights(self.model_runner.get_model(), self.model_runner.model_config)
 
-    def _serve(self, tensors: dict[str, Any], version: int, digest: str) -> dict[str, Any]:
-        """Load checked tensors in place, pack the tied head again, and serve them as
-        ``version`` with checksum ``digest``."""
-        self.model_runner.reload_weights(weights_iterator=iter(tensors.items()))
-        _repack_tied_heads(self.model_runner.get_model())
-        self._dew_version, self._dew_checksum = version, digest
-        return {"version": version}
 
-    # ---------------------------------------------------------------- checks
+class ServedWeights:
+    """What a worker's model serves, shared by the extension's RPCs and dew's transfer
+    backend (:mod:`dew.serving.vllm._transfer`): the version and checksum of its
+    weights, the names and shapes of the checkpoint it started from, and the checks a
+    push must pass before any parameter is touched."""
 
-    def _misfit(self, shapes: dict[str, tuple[int, ...]]) -> str:
+    def __init__(self, model: Any, model_config: Any) -> None:
+        self.model = model
+        self.model_config = model_config
+        self.version = 0
+        self.checksum: str | None = None
+        self.refused = ""  # why the transfer backend's last push was not served
+        self._spec: dict[str, tuple[int, ...]] | None = None
+
+    def broadcast_misfit(self, version: int, shapes: dict[str, tuple[int, ...]]) -> str:
+        """Why a broadcast of these shapes as ``version`` would be refused ("" if not):
+        it must be newer (a broadcast's checksum is known only once it came) and fit."""
+        if version <= self.version:
+            return f"version {version} is not newer than the served {self.version}"
+        return self.misfit(shapes)
+
+    def misfit(self, shapes: dict[str, tuple[int, ...]]) -> str:
         """Why tensors of these names and shapes do not fit the served checkpoint ("" if
         they do): exactly its names (a tied head may be left out or sent), its shapes. A
         fused projection loaded from only some of its parts would be silently wrong, so
         nothing may be missing."""
-        spec = self._spec()
-        tied = bool(getattr(self.model_runner.model_config.hf_config, "tie_word_embeddings", False))
+        spec = self.spec()
+        tied = bool(getattr(self.model_config.hf_config, "tie_word_embeddings", False))
         given = dict(shapes)
         if tied and "lm_head.weight" not in spec:
             given.pop("lm_head.weight", None)
@@ -174,14 +164,14 @@ class WorkerExtension:
                 return f"{name} has shape {list(shape)}, the served model {list(spec[name])}"
         return ""
 
-    def _fit(self, tensors: dict[str, Any]) -> tuple[dict[str, Any], str]:
+    def fit(self, tensors: dict[str, Any]) -> tuple[dict[str, Any], str]:
         """The tensors to load, cast to the served dtype (a tied head sent along is
-        left out), or why they do not fit (:meth:`_misfit`, or values not finite)."""
-        why = self._misfit({name: tuple(t.shape) for name, t in tensors.items()})
+        left out), or why they do not fit (:meth:`misfit`, or values not finite)."""
+        why = self.misfit({name: tuple(t.shape) for name, t in tensors.items()})
         if why:
             return {}, why
-        spec = self._spec()
-        dtype = self.model_runner.model_config.dtype
+        spec = self.spec()
+        dtype = self.model_config.dtype
         fitted = {}
         for name, t in tensors.items():
             if name not in spec:
@@ -191,12 +181,20 @@ class WorkerExtension:
             fitted[name] = t.to(dtype)
         return fitted, ""
 
-    def _spec(self) -> dict[str, tuple[int, ...]]:
+    def serve(self, reload: Any, tensors: dict[str, Any], version: int, digest: str) -> None:
+        """Load checked tensors in place through ``reload`` (vLLM's in-place reload,
+        called with ``weights_iterator=``), pack the tied head again, and serve them as
+        ``version`` with checksum ``digest``."""
+        reload(weights_iterator=iter(tensors.items()))
+        _repack_tied_heads(self.model)
+        self.version, self.checksum = version, digest
+
+    def spec(self) -> dict[str, tuple[int, ...]]:
         """Name -> shape of every tensor of the checkpoint the server started from."""
-        if self._dew_spec is None:
+        if self._spec is None:
             from safetensors import safe_open
 
-            folder = Path(self.model_runner.model_config.model)
+            folder = Path(self.model_config.model)
             spec: dict[str, tuple[int, ...]] = {}
             for file in sorted(folder.glob("*.safetensors")):
                 with safe_open(str(file), framework="pt") as f:
@@ -204,8 +202,18 @@ class WorkerExtension:
                         spec[name] = tuple(f.get_slice(name).get_shape())
             if not spec:
                 raise RuntimeError(f"no safetensors checkpoint in {folder}")
-            self._dew_spec = spec
-        return self._dew_spec
+            self._spec = spec
+        return self._spec
+
+
+def served_weights(model: Any, model_config: Any) -> ServedWeights:
+    """The :class:`ServedWeights` of ``model``, made on first use and kept on it, so
+    the extension and the transfer backend (which vLLM hands the model alone) share it."""
+    served = getattr(model, "_dew_served", None)
+    if served is None:
+        served = ServedWeights(model, model_config)
+        model._dew_served = served
+    return served
 
 
 def _eos_ids(config: Any) -> list[int]:
@@ -229,3 +237,23 @@ def _repack_tied_heads(model: Any) -> None:
     for module in model.modules():
         if isinstance(module, ParallelLMHead):
             module.quant_method.process_weights_after_loading(module)
+
+
+def _register_transfer_backend() -> None:
+    """Make dew's backend known to vLLM's weight-transfer API as ``"dew"`` (a server
+    picks it with ``--weight-transfer-config '{"backend": "dew"}'``). vLLM imports this
+    module in each worker before it builds the transfer engine; imported anywhere vLLM
+    is not installed (the trainer), there is nothing to register."""
+    try:
+        from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
+    except ImportError:
+        return
+    try:
+        WeightTransferEngineFactory.register_engine(
+            TRANSFER_BACKEND, "dew.serving.vllm._transfer", "DewTransferEngine"
+        )
+    except ValueError:  # registered already: this module was imported before
+        pass
+
+
+_register_transfer_backend()
