@@ -7,7 +7,9 @@ import ipaddress
 import socket
 from typing import Any
 
-__all__ = ["bind", "http_with_read_timeout", "is_loopback"]
+__all__ = ["API_KEY_ENV", "bind", "http_with_read_timeout", "is_loopback"]
+
+API_KEY_ENV = "DEW_API_KEY"  # where servers and clients find the API key when not given
 
 
 def is_loopback(host: str) -> bool:

@@ -22,7 +22,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from dew._net import bind, http_with_read_timeout, is_loopback
+from dew._net import API_KEY_ENV, bind, http_with_read_timeout, is_loopback
 
 __all__ = ["main"]
 
@@ -48,6 +48,20 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default=None, help="torch device (default: cuda if available)")
     p.add_argument("--dtype", default="float32", choices=_DTYPES, help="weights dtype")
     p.add_argument("--version", type=int, default=0, help="version of the initial weights")
+    p.add_argument(
+        "--weights-dir",
+        default=None,
+        metavar="PATH",
+        help="the only folder weight pushes may read (default: where engines on this "
+        "machine write, dew-weights-<uid> in /dev/shm or the temp folder)",
+    )
+    p.add_argument(
+        "--group-timeout",
+        type=float,
+        default=30.0,
+        help="seconds joining a trainer's broadcast group, and each receive in it, may wait "
+        "(default 30); SIGTERM stops the server within 10 s plus this",
+    )
     p.add_argument(
         "--read-timeout",
         type=float,
@@ -94,7 +108,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         args = _parser().parse_args(argv)
     except SystemExit as exc:  # --help, or a usage error argparse already printed
         return exc.code if isinstance(exc.code, int) else 2
-    api_key = args.api_key or os.environ.get("DEW_API_KEY") or None
+    api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
     if not is_loopback(args.host) and api_key is None:
         print(
             f"dew serve: refusing to bind {args.host}: a non-loopback host needs an API key "
@@ -103,10 +117,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             flush=True,
         )
         return 2
-    if not args.read_timeout > 0 or args.max_connections < 1:
+    if not (args.read_timeout > 0 and args.group_timeout > 0) or args.max_connections < 1:
         print(
-            f"dew serve: --read-timeout {args.read_timeout} must be > 0 and --max-connections "
-            f"{args.max_connections} >= 1",
+            f"dew serve: --read-timeout {args.read_timeout} and --group-timeout "
+            f"{args.group_timeout} must be > 0, --max-connections {args.max_connections} >= 1",
             file=sys.stderr,
             flush=True,
         )
@@ -150,14 +164,21 @@ def _serve(args: argparse.Namespace, api_key: str | None, stopping: list[int]) -
         except (ValueError, OSError) as exc:
             print(f"dew serve: {exc}", file=sys.stderr)
             return 1
+        state = None
         try:
-            app, state = build_app(
-                engine,
-                api_key=api_key,
-                model_path=model_path,
-                tokenizer_path=tokenizer_path,
-                reference=model.state_dict(),
-            )
+            try:
+                app, state = build_app(
+                    engine,
+                    api_key=api_key,
+                    model_path=model_path,
+                    tokenizer_path=tokenizer_path,
+                    reference=model.state_dict(),
+                    weights_dir=args.weights_dir,
+                    group_timeout=args.group_timeout,
+                )
+            except ValueError as exc:  # a default weights folder that is not ours
+                print(f"dew serve: {exc}", file=sys.stderr)
+                return 1
             del model  # the engine keeps its own copy
             if stopping:
                 return 0
@@ -193,6 +214,8 @@ def _serve(args: argparse.Namespace, api_key: str | None, stopping: list[int]) -
             )
             _Server(config).run(sockets=[sock])
         finally:
+            if state is not None:
+                state.close()  # a join under way ends within --group-timeout
             engine.close()
     finally:
         sock.close()

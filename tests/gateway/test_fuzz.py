@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import httpx
@@ -35,6 +36,7 @@ def gateway() -> Iterator[RecordingGateway]:
             max_n=MAX_N,
             max_turns=None,
             max_tokens_per_session=None,
+            client_sampling=True,  # so the fuzzed sampling values reach the engine
         ) as gw,
     ):
         yield gw
@@ -70,6 +72,11 @@ field_names = st.sampled_from(
     ]
 )
 huge = st.sampled_from([2**31, 2**63, 10**20, -1, 0, 10**4000 // 10**3990])
+# Sampling values a sampler can choke on: near 0 (logits / t overflow) and far past
+# any sensible range.
+extreme = st.sampled_from([5e-324, 1e-300, 1e-40, 1e-9, 5e-3, 1e300, 1.7e308]) | st.floats(
+    min_value=0.0, max_value=1e-2
+)
 message_values = st.lists(
     st.fixed_dictionaries(
         {
@@ -96,6 +103,11 @@ def mutated(draw: Any) -> bytes:
             body[name] = draw(huge)
         elif name == "messages":
             body[name] = draw(message_values)
+        else:
+            body[name] = draw(extreme)
+    for name in ("temperature", "top_p", "top_k"):
+        if draw(st.integers(0, 3)) == 0:
+            body[name] = draw(extreme | huge)
     if draw(st.booleans()):
         body["n"] = draw(st.integers(1, MAX_N))
     if draw(st.booleans()):
@@ -168,11 +180,24 @@ def check_one(gateway: RecordingGateway, http: Any, body: bytes, path: str, coun
     either empty (refused) or exactly what was answered."""
     key = RolloutKey(counter, 0, 0)
     token = gateway.open(Task("fuzz"), key)
-    r = http.post(
-        f"{gateway.base_url}/{path}",
-        content=body,
-        headers={"authorization": f"Bearer {token}", "content-type": "application/json"},
-    )
+    # Another session's well-formed call in flight beside it: whatever the fuzzed
+    # request sent, that call is answered and recorded whole.
+    other = gateway.open(Task("canary"), RolloutKey(counter, 1, 0))
+    with ThreadPoolExecutor(1) as pool:
+        canary = pool.submit(
+            http.post,
+            f"{gateway.base_url}/chat/completions",
+            json={**BASE, "max_tokens": 2},
+            headers={"authorization": f"Bearer {other}"},
+        )
+        r = http.post(
+            f"{gateway.base_url}/{path}",
+            content=body,
+            headers={"authorization": f"Bearer {token}", "content-type": "application/json"},
+        )
+        c = canary.result()
+    assert c.status_code == 200, (body[:300], c.text)
+    assert len(gateway.close_session(other).calls) == 1
     recording = gateway.close_session(token)
     event(f"status {r.status_code}")
     assert r.status_code < 500, r.text

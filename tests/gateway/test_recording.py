@@ -235,6 +235,26 @@ def test_sampling_is_the_gateways_unless_clients_may_choose(spy):
     assert len(rec.calls) == 1 and rec.calls[0].support is not None
 
 
+@pytest.mark.timeout(120)
+def test_one_sessions_extreme_sampling_fails_its_own_request_alone(server, model):
+    ask = {"model": "dew", "messages": [{"role": "user", "content": "x"}], "max_tokens": 40}
+    with running(server, client_sampling=True, sampling=SamplingParams(max_tokens=40)) as gw:
+        calm, wild = (gw.open(Task("t"), RolloutKey(0, i, 0)) for i in range(2))
+        with client(gw, calm) as a, client(gw, wild) as b:
+            worker = threading.Thread(target=lambda: a.chat.completions.create(**ask))
+            worker.start()
+            for extreme in ({"temperature": 1e-300}, {"temperature": 5e-3}):
+                with pytest.raises(openai.BadRequestError, match="temperature"):
+                    b.chat.completions.create(**{**ask, **extreme})
+            b.chat.completions.create(**{**ask, "top_p": 1e-300})  # extreme, yet well-defined
+            worker.join(WAIT)
+            assert not worker.is_alive()
+        calm_rec, wild_rec = gw.close_session(calm), gw.close_session(wild)
+    assert len(calm_rec.calls) == 1 and len(wild_rec.calls) == 1
+    for call in calm_rec.calls:
+        assert call.log_probs == pytest.approx(teacher_log_probs(model, call), abs=2e-4)
+
+
 @pytest.mark.timeout(60)
 def test_models_endpoint(spy):
     with running(spy, model_name="policy") as gw:

@@ -101,6 +101,34 @@ def test_a_vllm_engine_section_keeps_its_fields(tmp_path: Path) -> None:
         load_config(write(tmp_path), ["--engine.weights_dir", "/dev/shm/w"])
 
 
+def test_the_api_key_comes_from_a_file_or_the_environment_and_is_never_saved(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    urls = ["--engine.kind", "urls", "--engine.urls", '["http://127.0.0.1:9"]']
+    monkeypatch.delenv("DEW_API_KEY", raising=False)
+    assert load_config(write(tmp_path), urls).engine.api_key() is None
+    monkeypatch.setenv("DEW_API_KEY", "from-env")
+    assert load_config(write(tmp_path), urls).engine.api_key() == "from-env"
+    keyfile = tmp_path / "key"
+    keyfile.write_text("from-file\n")
+    config = load_config(write(tmp_path), [*urls, "--engine.api_key_file", str(keyfile)])
+    assert config.engine.api_key() == "from-file"
+    assert "from-file" not in config.to_toml() and "from-env" not in config.to_toml()
+    for content, why in (
+        (None, "cannot be read"),
+        ("", "the key alone"),
+        ("a\nb", "the key alone"),
+    ):
+        if content is None:
+            keyfile.unlink()
+        else:
+            keyfile.write_text(content)
+        with pytest.raises(ConfigError, match=f"api_key_file: .*{why}"):
+            load_config(write(tmp_path), [*urls, "--engine.api_key_file", str(keyfile)])
+    with pytest.raises(ConfigError, match="api_key_file is for servers at urls"):
+        load_config(write(tmp_path), ["--engine.api_key_file", str(keyfile)])
+
+
 def test_overrides_keep_their_types_and_reach_any_field(tmp_path: Path) -> None:
     assert parse_overrides(["--a.b", "2", "--a.c=0.5", "--a.d", "true", "--a.e", "[1, 2]"]) == [
         ("a.b", 2),

@@ -89,8 +89,11 @@ wandb = true
     return path
 
 
-def dew_train(*args: str) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+def dew_train(*args: str, api_key: str | None = None) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if k != "DEW_API_KEY"}
+    env["OMP_NUM_THREADS"] = "1"
+    if api_key is not None:
+        env["DEW_API_KEY"] = api_key
     return subprocess.run(
         [sys.executable, "-m", "dew.cli", "train", *args, "--no-progress"],
         capture_output=True,
@@ -341,3 +344,35 @@ def test_dew_train_refuses_a_mesh_without_torchrun(tmp_path: Path, model_dir: Pa
     assert done.returncode == 2, done.stderr[-2000:]
     assert "parallel: data=None, tensor=2 needs that many processes" in done.stderr
     assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.timeout(300)
+def test_dew_train_on_a_keyed_server_sends_its_key_and_never_writes_it(
+    tmp_path: Path, model_dir: Path
+) -> None:
+    from ..serving._launch import serve
+
+    key = "k3y-" + os.urandom(8).hex()
+    keyfile = tmp_path / "key"
+    keyfile.write_text(key + "\n")
+    with serve("--model", str(model_dir), api_key=key) as server:
+        path = config(tmp_path, model_dir)
+        urls = ("--engine.kind", "urls", "--engine.urls", f'["{server.url}"]')
+        for env_key, why in ((None, "missing API key"), ("wrong", "invalid API key")):
+            done = dew_train(str(path), *urls, "--output.wandb", "false", api_key=env_key)
+            assert done.returncode == 2, done.stderr[-2000:]
+            lines = done.stderr.strip().splitlines()
+            assert len(lines) == 1 and "engine.urls: " in lines[0] and why in lines[0], lines
+            assert "DEW_API_KEY" in lines[0] and key not in done.stderr
+            assert not (tmp_path / "run").exists()  # nothing left behind
+        done = dew_train(
+            str(path), *urls, "--engine.api_key_file", str(keyfile), "--output.wandb", "false",
+            api_key="wrong",  # the file wins over the environment
+        )  # fmt: skip
+        assert done.returncode == 0, done.stderr[-3000:]
+        run = tmp_path / "run"
+        assert len((run / "records.jsonl").read_text().splitlines()) == 3
+        for file in run.rglob("*"):
+            if file.is_file() and file.stat().st_size < 1 << 20:
+                assert key.encode() not in file.read_bytes(), file
+        assert key not in done.stderr + done.stdout

@@ -50,8 +50,9 @@ def _served_by(future: object) -> str:
 @pytest.mark.timeout(300)
 def test_routing_and_the_publish_sequence(tmp_path: Path) -> None:
     with ExitStack() as stack:
+        wd = ("--weights-dir", str(tmp_path))
         a, b, small = start_servers(
-            stack, ("--demo", "tiny"), ("--demo", "tiny"), ("--demo", "small")
+            stack, ("--demo", "tiny", *wd), ("--demo", "tiny", *wd), ("--demo", "small", *wd)
         )
         # Engines of different models are refused at construction, naming the field.
         odd = stack.enter_context(HTTPEngine(b.url))

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import httpx
@@ -50,6 +51,19 @@ def http(served: Served) -> Iterator[httpx.Client]:
 
 
 huge = st.sampled_from([2**31, 2**63, 10**20, -1, 0, -(2**63), 10**400])
+# Numbers a sampler can choke on: temperatures and top-p near 0 (logits / t overflow),
+# and far past any sensible range.
+extreme = st.sampled_from([5e-324, 1e-300, 1e-40, 1e-9, 5e-3, 1e300, 1.7e308]) | st.floats(
+    min_value=0.0, max_value=1e-2
+)
+# Weight files a hostile client names: secrets, endless or blocking files, folders,
+# climbs out of the weights folder.
+paths = st.sampled_from(
+    [
+        "/etc/shadow", "/etc/passwd", "/proc/self/environ", "/proc/self/mem", "/dev/zero",
+        "/dev/urandom", "/dev/stdin", "/", ".", "..", "../../etc/passwd", "", "\x00",
+    ]
+) | st.text(max_size=30)  # fmt: skip
 id_lists = st.lists(st.integers(-5, 10**6), max_size=40)
 # The models' own field names: a field added to the schema is fuzzed without an edit here.
 TOP = sorted(GenerateBody.model_fields)
@@ -63,15 +77,20 @@ def mutated(draw: Any) -> bytes:
         inner = draw(st.booleans()) and isinstance(body.get("sampling_params"), dict)
         target = body["sampling_params"] if inner else body
         name = draw(st.sampled_from(SAMPLING if inner else TOP) | st.text(max_size=8))
-        choice = draw(st.integers(0, 3))
+        choice = draw(st.integers(0, 4))
         if choice == 0:
             target.pop(name, None)
         elif choice == 1:
             target[name] = draw(json_values)
         elif choice == 2:
             target[name] = draw(huge)
-        else:
+        elif choice == 3:
             target[name] = draw(id_lists)
+        else:
+            target[name] = draw(extreme)
+    if draw(st.integers(0, 4)) == 0:  # the weight push's fields, for the weights route
+        body["model_path"] = draw(paths)
+        body["dew_version"] = draw(st.integers(0, 3))
     if draw(st.booleans()):  # in range: these must be served, not refused
         body["sampling_params"] = {
             "max_new_tokens": draw(st.integers(1, 4)),
@@ -105,7 +124,23 @@ raw_bodies = st.one_of(
 )
 
 
+CANARY = {"input_ids": [4, 5, 6], "sampling_params": {"max_new_tokens": 6, "stop_token_ids": []}}
+
+
 def check_one(served: Served, http: httpx.Client, body: bytes, route: str) -> None:
+    # A well-formed request in flight beside the fuzzed one: whatever the fuzzed one
+    # sent, this one must be served whole.
+    with ThreadPoolExecutor(1) as pool:
+        canary = pool.submit(http.post, "/generate", json=CANARY)
+        checked = _check_fuzzed(http, body, route)
+        c = canary.result()
+    assert c.status_code == 200 and len(c.json()["output_ids"]) == 6, (body[:300], c.text)
+    if route == "/update_weights_from_disk" and checked is not None:
+        # Refused or not, no answer quotes a file the server may read.
+        assert "root:" not in checked and "PATH=" not in checked, checked
+
+
+def _check_fuzzed(http: httpx.Client, body: bytes, route: str) -> str | None:
     r = http.post(route, content=body, headers={"content-type": "application/json"})
     event(f"{route} {r.status_code}")
     assert r.status_code < 500, (route, body[:300], r.text[:500])
@@ -113,9 +148,9 @@ def check_one(served: Served, http: httpx.Client, body: bytes, route: str) -> No
     if r.status_code >= 400:
         message = answer["error"]["message"]
         assert isinstance(message, str) and message, answer
-        return
+        return r.text
     if route != "/generate":
-        return
+        return r.text
     request = json.loads(body)
     asked = request["sampling_params"]["max_new_tokens"]
     ids, meta = answer["output_ids"], answer["meta_info"]
@@ -127,6 +162,7 @@ def check_one(served: Served, http: httpx.Client, body: bytes, route: str) -> No
         rows = meta["output_token_logprobs"]
         assert [row[1] for row in rows] == ids
         assert all(row[0] <= 0.0 for row in rows)
+    return r.text
 
 
 SETTINGS = {"deadline": None, "suppress_health_check": list(HealthCheck)}

@@ -4,6 +4,8 @@ aborts, auth, refusal to bind, shutdown. Nothing here mocks the server."""
 from __future__ import annotations
 
 import json
+import os
+import signal
 import socket
 import time
 from collections.abc import Iterator
@@ -312,7 +314,10 @@ def test_calls_spanning_a_weight_push(
 ) -> None:
     old, new = checkpoint[1], lively("qwen2", 2)
     path = write_weights(new, tmp_path, 1)
-    with serve("--model", str(checkpoint[0]), "--seed", "4") as s, s.client(240) as client:
+    with (
+        serve("--model", str(checkpoint[0]), "--seed", "4", "--weights-dir", str(tmp_path)) as s,
+        s.client(240) as client,
+    ):
         reqs = [([11, 12], {"temperature": 1.0}), ([14, 15], {"temperature": 0.0})]
         workers = [Worker(lambda p=p, k=k: client.post("/generate", json=_body(p, LONG, **k)))
                    for p, k in reqs]  # fmt: skip
@@ -353,7 +358,15 @@ def test_api_key_and_refused_pushes_keep_the_old_weights(
     llama = write_weights(lively("llama", 2), tmp_path / "llama", 4)
     prompt = [21, 22, 23]
     want = hf_greedy(old, prompt, 8)
-    with serve("--model", str(checkpoint[0]), "--version", "2", api_key="s3cret") as s:
+    with serve(
+        "--model",
+        str(checkpoint[0]),
+        "--version",
+        "2",
+        "--weights-dir",
+        str(tmp_path),
+        api_key="s3cret",
+    ) as s:
         with httpx.Client(base_url=s.url, timeout=60) as anon:
             assert anon.get("/health").status_code == 200  # no key needed
             for bad in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "s3cret"}):
@@ -474,7 +487,10 @@ def test_first_publish_at_the_initial_version_then_only_newer_or_the_same_weight
     prompt = [21, 22, 23]
     first = write_weights(lively("qwen2", 4), tmp_path / "a", 0)
     other = write_weights(lively("qwen2", 5), tmp_path / "b", 0)
-    with serve("--model", str(checkpoint[0])) as s, s.client() as client:
+    with (
+        serve("--model", str(checkpoint[0]), "--weights-dir", str(tmp_path)) as s,
+        s.client() as client,
+    ):
 
         def push(path: Path, version: int) -> httpx.Response:
             return client.post(
@@ -582,3 +598,119 @@ def test_memory_stays_flat_over_ten_thousand_aborted_requests() -> None:
             assert ok.status_code == 200, ok.text
         after = rss_kib(s.pid)
         assert after - before < 16 * 1024, (before, after)  # KiB: under 16 MiB of growth
+
+
+@pytest.mark.timeout(180)
+def test_a_push_reads_only_small_regular_files_under_the_weights_folder(
+    checkpoint: tuple[Path, torch.nn.Module], tmp_path: Path
+) -> None:
+    folder = tmp_path / "weights"
+    good = write_weights(lively("qwen2", 6), folder, 1)
+    secret = tmp_path / "secret"
+    secret.write_bytes(b"root:*:20000:0:99999:7:::\n" * 100)
+    os.mkfifo(folder / "fifo")  # no writer: a read would block for ever
+    (folder / "link").symlink_to(secret)
+    huge = folder / "huge.safetensors"
+    with huge.open("wb") as f:  # sparse: takes no memory or disk
+        f.truncate(1 << 40)
+    named = [
+        (secret, "read only from"),
+        (folder / ".." / "secret", "read only from"),
+        (folder / "link", "read only from"),
+        (tmp_path / "nothing-here", "read only from"),  # the same answer as a file that is
+        (Path("/etc/shadow"), "read only from"),
+        (Path("/proc/self/environ"), "read only from"),
+        (Path("/dev/zero"), "read only from"),
+        (folder / "fifo", "not a regular file"),
+        (huge, "more than"),
+    ]
+    args = ("--model", str(checkpoint[0]), "--weights-dir", str(folder))
+    with serve(*args) as s, s.client(30) as client:
+        for path, why in named:
+            start = time.monotonic()
+            r = client.post(
+                "/update_weights_from_disk", json={"model_path": str(path), "dew_version": 1}
+            )
+            assert r.status_code == 400 and why in r.text, (path, r.text)
+            assert time.monotonic() - start < 5.0, path  # refused at once, never read
+            assert "root:" not in r.text and "20000" not in r.text
+        # Nothing held the weights lock: a good push goes through, and it is served.
+        r = client.post(
+            "/update_weights_from_disk", json={"model_path": str(good), "dew_version": 1}
+        )
+        assert r.status_code == 200, r.text
+        assert client.get("/health").json()["dew_version"] == 1
+
+
+@pytest.mark.timeout(180)
+def test_extreme_sampling_values_fail_only_their_own_request(
+    served: Served, checkpoint: tuple[Path, torch.nn.Module]
+) -> None:
+    model = checkpoint[1]
+    batch = prompts(8, model.config.vocab_size, seed=9)
+    extremes = [
+        ({"temperature": 1e-300}, "temperature"),
+        ({"temperature": 5e-3}, "temperature"),
+        ({"temperature": 1e300, "top_p": 1e-300}, None),  # finite: served, and exact
+        ({"top_k": 10**18}, None),
+        ({"top_k": 0}, "top_k"),
+        ({"top_p": 0.0}, "top_p"),
+    ]
+    with served.client(120) as client, ThreadPoolExecutor(len(batch) + len(extremes)) as pool:
+        good = [pool.submit(client.post, "/generate", json=_body(p, 40)) for p in batch]
+        odd = [
+            pool.submit(client.post, "/generate", json=_body(batch[0], 40, **values))
+            for values, _ in extremes
+        ]
+        for (values, field), future in zip(extremes, odd, strict=True):
+            r = future.result()
+            if field is None:
+                assert r.status_code == 200, (values, r.text)
+                _check_exact(model, batch[0], r.json())
+            else:
+                assert r.status_code == 400 and field in r.json()["error"]["param"], r.text
+        for prompt, future in zip(batch, good, strict=True):
+            r = future.result()
+            assert r.status_code == 200, r.text
+            _check_exact(model, prompt, r.json())
+
+
+@pytest.mark.timeout(180)
+def test_joins_to_a_dead_address_are_bounded_and_block_neither_pushes_nor_sigterm(
+    checkpoint: tuple[Path, torch.nn.Module], tmp_path: Path
+) -> None:
+    dead = _free_port()  # nobody listens there
+    join = {"master_address": "127.0.0.1", "master_port": dead, "rank_offset": 1,
+            "world_size": 2}  # fmt: skip
+    good = write_weights(lively("qwen2", 7), tmp_path, 1)
+    args = ("--model", str(checkpoint[0]), "--weights-dir", str(tmp_path), "--group-timeout", "3")
+    s = launch(*args)
+    try:
+        with s.client(30) as client, ThreadPoolExecutor(8) as pool:
+            start = time.monotonic()
+            joins = [pool.submit(client.post, "/init_weights_update_group", json=join)
+                     for _ in range(8)]  # fmt: skip
+            # Pushes and generation go on while joins wait for a peer that never comes.
+            push = client.post(
+                "/update_weights_from_disk", json={"model_path": str(good), "dew_version": 1}
+            )
+            assert push.status_code == 200, push.text
+            assert client.post("/generate", json=_body([5, 6], 4)).status_code == 200
+            answers = [j.result() for j in joins]
+            # One join at a time; it gives up within its bound, the others are told at once.
+            assert {r.status_code for r in answers} <= {400, 409}
+            assert any(r.status_code == 400 for r in answers)
+            for r in answers:
+                assert "\n" not in r.json()["error"]["message"], r.text
+            assert time.monotonic() - start < 3 + 15
+            # SIGTERM with a join under way: the server is gone within 10 s plus the bound.
+            pending = pool.submit(client.post, "/init_weights_update_group", json=join)
+            time.sleep(0.5)  # likely under way by now; the bound holds either way
+            stopping = time.monotonic()
+            s.proc.send_signal(signal.SIGTERM)
+            s.proc.wait(timeout=10 + 3 + 10)
+            assert time.monotonic() - stopping < 10 + 3 + 5
+            with pytest.raises(httpx.HTTPError):
+                pending.result().raise_for_status()
+    finally:
+        s.stop()

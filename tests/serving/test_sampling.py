@@ -205,3 +205,27 @@ def test_greedy_rows_get_a_finite_divisor() -> None:
     scaled = torch.tensor([[1.0, -2.0, 0.0]] * 2) / rows.temperature.unsqueeze(1)
     assert torch.isfinite(scaled).all()
     assert rows.temperature[1].item() == pytest.approx(0.7)
+
+
+@pytest.mark.parametrize("mixed", [False, True])
+def test_a_row_that_is_not_finite_is_named_and_the_others_draw_as_usual(mixed: bool) -> None:
+    vocab = 40
+    logits = torch.randn(4, vocab, generator=torch.Generator().manual_seed(3))
+    top_k = [None, 5 if mixed else None, None, None]
+    temps = [1.0, 0.7, 1e-300, 0.9]  # row 2: finite logits, overflowed by its temperature
+    bad = logits.clone()
+    bad[3, 7] = float("nan")  # row 3: its logits themselves
+    rows = settings(temps, top_k, [None] * 4, vocab, torch.device("cpu"))
+    draw = sample(bad, rows, torch.Generator().manual_seed(0))
+    assert (draw.overflowed, draw.broken) == ([2], [3])
+    # The good rows' log-probs are those of their own distributions.
+    for i in (0, 1):
+        scaled = logits[i] / temps[i]
+        if top_k[i] is not None:
+            keep = scaled.topk(top_k[i]).indices
+            scaled = torch.full_like(scaled, float("-inf")).index_copy(0, keep, scaled[keep])
+        want = scaled.log_softmax(-1)[draw.tokens[i]].item()
+        assert draw.log_probs[i] == pytest.approx(want, abs=1e-5)
+    rows = settings(temps[:2], top_k[:2], [None] * 2, vocab, torch.device("cpu"))
+    fine = sample(logits[:2], rows, torch.Generator())
+    assert fine.broken == fine.overflowed == []

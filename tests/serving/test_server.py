@@ -295,3 +295,26 @@ def test_unsupported_attention_is_refused() -> None:
     model = AutoModelForCausalLM.from_config(config, attn_implementation="flex_attention")
     with pytest.raises(ValueError, match="attention implementation"):
         RolloutServer(model)
+
+
+@pytest.mark.timeout(120)
+def test_a_request_whose_logits_overflow_fails_alone_and_its_batch_stays_exact(
+    qwen: torch.nn.Module,
+) -> None:
+    # SamplingParams refuses such a temperature; forced past it here, as a buggy or
+    # hostile caller could, it must fail its own request and no other.
+    extreme = SamplingParams(max_tokens=12, temperature=1.0, stop_ids=())
+    object.__setattr__(extreme, "temperature", 1e-40)  # 0.0 in float32: logits / 0
+    params = SamplingParams(max_tokens=12, temperature=0.8, stop_ids=())
+    batch = prompts(5, qwen.config.vocab_size, seed=4)
+    with RolloutServer(qwen, seed=6) as server:
+        futures = [server.submit(p, params) for p in batch[:4]]
+        bad = server.submit(batch[4], extreme)
+        with pytest.raises(ValueError, match="not finite") as caught:
+            bad.result(timeout=60)
+        assert "\n" not in str(caught.value)
+        calls = [f.result(timeout=60) for f in futures]
+        after = server.generate(batch[4], params)  # the server goes on serving
+    for call in [*calls, after]:
+        want, _ = _reference_log_probs(qwen, call, 0.8, None, None)
+        assert call.log_probs == pytest.approx(want, abs=2e-4)

@@ -21,6 +21,7 @@ from dew.serving.weights import (
     BroadcastGroup,
     WeightsError,
     join_group,
+    open_weights,
     read_weights,
     tensor_specs,
     weights_path,
@@ -113,7 +114,7 @@ def test_one_flipped_byte_refused(tmp_path: Path) -> None:
     header = bytearray(data)
     header[8] ^= 0xFF  # the header's first byte: no longer JSON
     path.write_bytes(bytes(header))
-    with pytest.raises(WeightsError, match="corrupt header"):
+    with pytest.raises(WeightsError, match="header is not JSON"):
         read_weights(path)
 
 
@@ -136,6 +137,39 @@ def test_bad_metadata_refused(
     save_file({"x": torch.ones(3)}, str(path), metadata=metadata)
     with pytest.raises(WeightsError, match=problem):
         read_weights(path)
+
+
+@pytest.mark.timeout(60)
+def test_a_file_named_by_others_is_read_only_if_it_is_a_small_regular_file_under_root(
+    tmp_path: Path,
+) -> None:
+    root = tmp_path / "weights"
+    good = write_weights(_state(), root, 3)
+    assert open_weights(good, root=root, max_bytes=good.stat().st_size).version == 3
+    secret = tmp_path / "secret"
+    secret.write_bytes(b"root:*:20000:0:99999:7:::\n" * 10)
+    (root / "link").symlink_to(secret)
+    fifo = root / "fifo"
+    os.mkfifo(fifo)
+    outside = [secret, tmp_path / "missing", tmp_path, root / "link", root / ".." / "secret"]
+    outside += [Path("/etc/shadow"), Path("/proc/self/environ"), Path("/dev/zero")]
+    for path in outside:  # one answer, whether or not the path exists
+        with pytest.raises(WeightsError, match=f"weights are read only from {root}$"):
+            open_weights(path, root=root)
+    with pytest.raises(WeightsError, match="not a regular file"):  # at once: no writer
+        open_weights(fifo, root=root)
+    with pytest.raises(WeightsError, match="not a regular file"):
+        open_weights("/dev/zero")
+    with pytest.raises(WeightsError, match="more than the 100 a push may hold"):
+        open_weights(good, root=root, max_bytes=100)
+    # A file that is not a weights file: the refusal quotes none of its bytes.
+    inside = root / "notes.safetensors"
+    for content in (b"root:*:20000:0:99999:7:::\n" * 10, b"\x10\0\0\0\0\0\0\0\xffroot:*:2000"):
+        inside.write_bytes(content)
+        with pytest.raises(WeightsError) as info:
+            open_weights(inside, root=root)
+        message = str(info.value).removeprefix(str(inside))
+        assert "root" not in message and "2000" not in message and "\\x" not in message, message
 
 
 @pytest.mark.timeout(60)

@@ -13,7 +13,15 @@ Serving (engines), sources and the gateway build on this package and never on ea
 other (``tests/test_layers.py`` checks the import graph).
 """
 
-from dew.core.engine import Aborted, Engine, EngineError, Publisher, SamplingParams, Variables
+from dew.core.engine import (
+    MIN_TEMPERATURE,
+    Aborted,
+    Engine,
+    EngineError,
+    Publisher,
+    SamplingParams,
+    Variables,
+)
 from dew.core.outcome import error_text, parse_reward
 from dew.core.threaded import ThreadedSession, ThreadedSource
 from dew.core.types import (
@@ -28,6 +36,7 @@ from dew.core.types import (
 )
 
 __all__ = [
+    "MIN_TEMPERATURE",
     "Aborted",
     "Call",
     "Engine",

@@ -42,7 +42,20 @@ from typing import Any, Protocol, runtime_checkable
 from dew.core._checks import as_int, is_real
 from dew.core.types import Call
 
-__all__ = ["Aborted", "Engine", "EngineError", "Publisher", "SamplingParams", "Variables"]
+__all__ = [
+    "MIN_TEMPERATURE",
+    "Aborted",
+    "Engine",
+    "EngineError",
+    "Publisher",
+    "SamplingParams",
+    "Variables",
+]
+
+# The lowest sampling temperature but greedy's 0. Far below it, scaled logits overflow
+# float32 and the draw fails (for the whole batch, in engines that sample rows
+# together); just below it, the distribution is greedy in all but name.
+MIN_TEMPERATURE = 1e-2
 
 Variables = Any  # the trainer's policy: a torch.nn.Module, or a state dict of tensors
 
@@ -51,7 +64,8 @@ Variables = Any  # the trainer's policy: a torch.nn.Module, or a state dict of t
 class SamplingParams:
     """How one completion is sampled; validated once, at construction.
 
-    ``max_tokens``: completion tokens at most (>= 1). ``temperature``: 0 is greedy.
+    ``max_tokens``: completion tokens at most (>= 1). ``temperature``: 0 is greedy,
+    else at least :data:`MIN_TEMPERATURE`.
     ``top_k`` / ``top_p``: optional filters (``None`` = off). ``stop_ids``: token ids that
     end the completion (kept as its last token); ``None`` leaves the choice to whoever
     owns the tokenizer: a source with one uses its end-of-sequence id, and an engine uses
@@ -74,6 +88,11 @@ class SamplingParams:
         t = self.temperature
         if not is_real(t) or not math.isfinite(t) or t < 0:
             raise ValueError(f"temperature must be a finite number >= 0, got {t!r}")
+        if 0 < t < MIN_TEMPERATURE:
+            raise ValueError(
+                f"temperature must be 0 (greedy) or >= {MIN_TEMPERATURE}, got {t!r}: below it "
+                "the scaled logits overflow"
+            )
         top_k = self.top_k
         if top_k is not None:
             top_k = as_int(top_k, "top_k")

@@ -281,12 +281,16 @@ class _Service:
                 param="temperature",
                 code="invalid_value",
             )
-        return replace(
-            base,
-            temperature=temperature,
-            top_p=base.top_p if s.top_p is None else s.top_p,
-            top_k=base.top_k if s.top_k is None else s.top_k,
-        )
+        try:
+            return replace(
+                base,
+                temperature=temperature,
+                top_p=base.top_p if s.top_p is None else s.top_p,
+                top_k=base.top_k if s.top_k is None else s.top_k,
+            )
+        except ValueError as exc:  # SamplingParams' bounds: this request's values alone
+            field = str(exc).split(" ", 1)[0]
+            raise RequestError(400, str(exc), param=field, code="invalid_value") from None
 
     # ------------------------------------------------------------------ generation
 

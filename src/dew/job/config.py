@@ -32,6 +32,7 @@ import difflib
 import inspect
 import json
 import math
+import os
 import tomllib
 import typing
 from collections.abc import Mapping, Sequence
@@ -47,7 +48,8 @@ from pydantic import (
     model_validator,
 )
 
-from dew.core import SamplingParams
+from dew._net import API_KEY_ENV
+from dew.core import MIN_TEMPERATURE, SamplingParams
 from dew.objectives.rl.config import SchedulerConfig
 from dew.objectives.rl.grpo import GRPOObjective
 from dew.pool import init_pool
@@ -183,6 +185,9 @@ class EngineSection(_Section):
     # folder in shared memory); servers started elsewhere must be able to read it (a vLLM
     # server reads only its DEW_VLLM_WEIGHTS_DIR, when set).
     weights_dir: str | None = None
+    # The servers' API key, for urls: read from this file (none: from $DEW_API_KEY, if
+    # set). The key itself is never a field, so it is never printed or saved with the run.
+    api_key_file: str | None = None
 
     @field_validator("engines")
     @classmethod
@@ -203,11 +208,29 @@ class EngineSection(_Section):
             raise ValueError("python and args launch vLLM servers; with urls none is launched")
         if self.weights_dir and self.kind == "in-process":
             raise ValueError("weights_dir is for engine processes; in-process needs none")
+        if self.api_key_file is not None:
+            if not self.urls:
+                raise ValueError("api_key_file is for servers at urls (launched ones need none)")
+            self.api_key()  # a missing or empty file, said before anything runs
         if self.kind == "vllm" and not self.urls:
             from dew.serving.vllm import vllm_python
 
             vllm_python(self.python)  # a missing vLLM environment, said before anything runs
         return self
+
+    def api_key(self) -> str | None:
+        """The key for the servers at ``urls``: ``api_key_file``'s content, else
+        ``$DEW_API_KEY``, else none."""
+        if self.api_key_file is None:
+            return os.environ.get(API_KEY_ENV) or None
+        path = Path(self.api_key_file).expanduser()
+        try:
+            key = path.read_text().strip()
+        except OSError as exc:
+            raise ValueError(f"api_key_file: {path} cannot be read ({exc.strerror})") from None
+        if not key or "\n" in key:
+            raise ValueError(f"api_key_file: {path} must hold the key alone, on one line")
+        return key
 
 
 class OutputSection(_Section):
@@ -299,8 +322,12 @@ class JobConfig(_Section):
         if every is not None and self.data.eval_path is None:
             raise ValueError("training.eval_every: set data.eval_path to evaluate on")
         temperature = self.training.eval_temperature
-        if not (math.isfinite(temperature) and temperature >= 0):
-            raise ValueError("training.eval_temperature: must be a finite number >= 0")
+        greedy_or_bounded = temperature == 0 or temperature >= MIN_TEMPERATURE
+        if not (math.isfinite(temperature) and greedy_or_bounded):
+            raise ValueError(
+                f"training.eval_temperature: must be 0 (greedy) or >= {MIN_TEMPERATURE}, "
+                f"got {temperature}"
+            )
         return self
 
     def sampling_params(self) -> SamplingParams:

@@ -18,11 +18,13 @@ from __future__ import annotations
 import copy
 import json
 import math
+import shutil
 from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from dew._net import API_KEY_ENV
 from dew.job.config import ConfigError, JobConfig
 from dew.job.data import Rows, load_rows
 from dew.job.rewards import Reward, RewardError, combine, load_reward
@@ -107,16 +109,22 @@ def train(prepared: Prepared, *, resume: bool = False, progress: bool = True) ->
     run = Path(config.output.run_dir)
     if (run / "checkpoints").exists() and not resume:
         raise ConfigError(f"output.run_dir: {run} already holds a run; add --resume")
-    with ExitStack() as stack:
-        pool = _join_pool(config, stack)
-        rank = 0 if pool is None else pool.rank
-        if rank == 0:
-            run.mkdir(parents=True, exist_ok=True)
-            (run / "config.toml").write_text(config.to_toml())
-            if prepared.rows.skipped:
-                skipped = {str(i): why for i, why in prepared.rows.skipped.items()}
-                (run / "skipped_rows.json").write_text(json.dumps(skipped, indent=1))
-        return _train(prepared, run, pool, stack, resume=resume, progress=progress)
+    fresh = not run.exists()
+    try:
+        with ExitStack() as stack:
+            pool = _join_pool(config, stack)
+            rank = 0 if pool is None else pool.rank
+            if rank == 0:
+                run.mkdir(parents=True, exist_ok=True)
+                (run / "config.toml").write_text(config.to_toml())
+                if prepared.rows.skipped:
+                    skipped = {str(i): why for i, why in prepared.rows.skipped.items()}
+                    (run / "skipped_rows.json").write_text(json.dumps(skipped, indent=1))
+            return _train(prepared, run, pool, stack, resume=resume, progress=progress)
+    except ConfigError:
+        if fresh:  # refused before it trained: a folder this call made leaves with it
+            shutil.rmtree(run, ignore_errors=True)
+        raise
 
 
 def _join_pool(config: JobConfig, stack: ExitStack) -> Any:
@@ -373,6 +381,25 @@ def _evaluator(prepared: Prepared, model: Any, run: Path, sampling: Any) -> Any:
 
 
 def _engine(config: JobConfig, model: Any, max_batch: int, stack: ExitStack) -> Any:
+    """The run's engine; servers at ``urls`` that cannot be driven are a ConfigError."""
+    from dew.core import EngineError
+
+    try:
+        return _make_engine(config, model, max_batch, stack)
+    except (EngineError, ValueError) as exc:
+        if not config.engine.urls:
+            raise
+        why = _first_line(exc)
+        if "API key" in why:
+            why += f" (the key comes from engine.api_key_file, else ${API_KEY_ENV})"
+        raise ConfigError(f"engine.urls: {why}") from None
+
+
+def _first_line(exc: BaseException) -> str:
+    return (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+
+
+def _make_engine(config: JobConfig, model: Any, max_batch: int, stack: ExitStack) -> Any:
     kind = config.engine.kind
     if kind == "in-process":
         from dew.serving import RolloutServer
@@ -393,7 +420,11 @@ def _engine(config: JobConfig, model: Any, max_batch: int, stack: ExitStack) -> 
     else:
         from dew.serving.fleet import EngineFleet
 
-        engine = EngineFleet(list(config.engine.urls), weights_dir=config.engine.weights_dir)
+        engine = EngineFleet(
+            list(config.engine.urls),
+            api_key=config.engine.api_key(),
+            weights_dir=config.engine.weights_dir,
+        )
     stack.callback(engine.close)
     return engine
 
@@ -406,7 +437,11 @@ def _vllm_fleet(config: JobConfig) -> Any:
     options = {} if e.on_load is None else {"on_load": e.on_load}
     if e.urls:
         return EngineFleet(
-            list(e.urls), engine="vllm", engine_options=options, weights_dir=e.weights_dir
+            list(e.urls),
+            api_key=e.api_key(),
+            engine="vllm",
+            engine_options=options,
+            weights_dir=e.weights_dir,
         )
     return EngineFleet.launch(
         e.engines,

@@ -181,10 +181,16 @@ class ActiveBatch:
         """Sample one token for each of ``requests`` from ``logits`` [n, V]; finish the
         requests that are done."""
         draw = sample(logits, rows, self._generator)
+        failed: dict[Request, Exception] = {
+            **{requests[i]: _overflowed(requests[i]) for i in draw.overflowed},
+            **{requests[i]: _broken(requests[i]) for i in draw.broken},
+        }
         finished: dict[Request, Call] = {}
         for r, tok, lp, sup in zip(
             requests, draw.tokens, draw.log_probs, draw.support, strict=True
         ):
+            if r in failed:
+                continue
             r.completion.append(tok)
             r.log_probs.append(lp)
             if r.keeps_support:
@@ -209,9 +215,11 @@ class ActiveBatch:
             # the oldest weights behind their keys/values: the served ones, unless kept
             served = version if self._recompute else None
             keep_finished(self.kept, self._cache, list(finished), self.active, served)
-        self.remove(finished.keys())
+        self.remove(finished.keys() | failed.keys())
         for r, call in finished.items():
             r.future.set_result(call)
+        for r, error in failed.items():  # these alone: the others of the batch drew as usual
+            r.future.set_exception(error)
 
     def _admit(self, rows: list[Row], forward: list[Row] | None, version: int) -> None:
         """Put ``rows`` and their followers in the next slots, copy their resident
@@ -266,3 +274,19 @@ class ActiveBatch:
         self.active.extend(members)
         self._rows = None
         self._take(members, logits, self._settings(members), version)
+
+
+def _overflowed(r: Request) -> ValueError:
+    """The request's own doing: finite logits, not finite over its temperature."""
+    return ValueError(
+        f"the logits over temperature {r.temperature} were not finite at completion token "
+        f"{len(r.completion)}; the request was dropped"
+    )
+
+
+def _broken(r: Request) -> RuntimeError:
+    """The model's doing: logits that were not finite (its weights, or this input)."""
+    return RuntimeError(
+        f"model step failed: the logits were not finite at completion token "
+        f"{len(r.completion)}; the request was dropped"
+    )

@@ -65,6 +65,7 @@ from dew.core import Aborted, Call, Engine, EngineError, SamplingParams
 from dew.core._checks import as_int
 from dew.serving._http_client import Broken, NotConnected, Pool, TimedOut
 from dew.serving._requests import Request, make_request
+from dew.serving.weights import weights_root
 
 __all__ = ["LoopEngine", "Pending"]
 
@@ -78,7 +79,6 @@ _CONTROL_CONNECTIONS = 8
 # connection the server is just closing would fail a generation that cannot safely be
 # sent again.
 _KEEPALIVE = 4.0
-_SHM = Path("/dev/shm")
 
 
 class _CallFuture(Future[Call]):
@@ -349,9 +349,8 @@ class LoopEngine(Engine):
             self._weights_dir.mkdir(parents=True, exist_ok=True)
             return self._weights_dir
         with self._lock:
-            if self._own_dir is None:
-                shm = _SHM if _SHM.is_dir() else None  # memory, not disk, where there is one
-                self._own_dir = Path(tempfile.mkdtemp(prefix="dew-weights-", dir=shm))
+            if self._own_dir is None:  # where a server on this machine reads by default
+                self._own_dir = Path(tempfile.mkdtemp(prefix="run-", dir=weights_root()))
             return self._own_dir
 
     def _set_version(self, value: object, *, exact: bool) -> None:

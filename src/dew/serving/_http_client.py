@@ -78,7 +78,7 @@ class Response:
 
     def error_message(self) -> str:
         """The server's error: dew's ``{"error": {"message", "param"}}`` as
-        ``param: message``, else a ``message`` or ``detail`` field, else the raw text."""
+        ``param: message`` (the message alone when it names its param first), else a ``message`` or ``detail`` field, else the raw text."""
         data = self.json()
         if data is None:
             return self.body[:500].decode("utf-8", "replace") or self.reason
@@ -86,7 +86,9 @@ class Response:
             error = data.get("error")
             if isinstance(error, Mapping) and "message" in error:
                 param = error.get("param")
-                return f"{param}: {error['message']}" if param else str(error["message"])
+                message = str(error["message"])
+                named = not param or message.startswith(f"{param}: ")  # said once, not twice
+                return message if named else f"{param}: {message}"
             for key in ("message", "detail"):
                 if key in data:
                     return str(data[key])

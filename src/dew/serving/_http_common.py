@@ -6,6 +6,8 @@ import asyncio
 import hmac
 import json
 from collections.abc import Mapping
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
 from fastapi import Request
@@ -181,6 +183,8 @@ class ServeState:
         model_path: str,
         tokenizer_path: str | None,
         reference: Mapping[str, torch.Tensor] | None,
+        weights_dir: Path,
+        group_timeout: float,
     ) -> None:
         self.engine = engine
         self.api_key = api_key or None
@@ -191,10 +195,23 @@ class ServeState:
             if reference is None
             else {name: tuple(int(d) for d in t.shape) for name, t in reference.items()}
         )
+        self.weights_dir = weights_dir
+        # The largest weights file a push may name: the model's tensors at 8 bytes an
+        # element (no dtype is wider) and the largest header safetensors allows.
+        self.max_weights_bytes = (
+            None
+            if reference is None
+            else 8 * sum(t.numel() for t in reference.values()) + (100 << 20) + 8
+        )
         self.inflight: dict[str, Any] = {}  # rid -> the engine's future; loop thread only
         # dew_sha256 of the weights last pushed; None while the initial weights serve.
         self.published: str | None = None
         self.groups: dict[str, JoinedGroup] = {}
+        # Joining a trainer's group: its connect and every later receive are bounded by
+        # group_timeout, and run one at a time on a thread no other work shares.
+        self.group_timeout = group_timeout
+        self.join_executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dew-join")
+        self.joining = False
         self._lock: asyncio.Lock | None = None
 
     @property
@@ -205,6 +222,10 @@ class ServeState:
 
     def alive(self) -> bool:
         return self.engine.alive
+
+    def close(self) -> None:
+        """Let the join thread go: a join under way ends within ``group_timeout``."""
+        self.join_executor.shutdown(wait=True, cancel_futures=True)
 
     def abort_all(self) -> None:
         """Abort every in-flight request (on shutdown): each answers the abort shape."""

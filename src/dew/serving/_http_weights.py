@@ -10,6 +10,7 @@ were.
 from __future__ import annotations
 
 import asyncio
+import functools
 from collections.abc import Mapping
 from typing import Any
 
@@ -66,7 +67,12 @@ async def from_disk(state: ServeState, request: Request) -> Response:
         if req.dew_version < state.engine.version:  # stale for sure: refuse before reading
             _check_newer(state, req.dew_version, None)
         try:
-            weights = await asyncio.to_thread(open_weights, req.model_path)
+            weights = await asyncio.to_thread(
+                open_weights,
+                req.model_path,
+                root=state.weights_dir,
+                max_bytes=state.max_weights_bytes,
+            )
         except WeightsError as exc:
             raise refused(str(exc), "model_path") from None
         version = weights.version
@@ -105,20 +111,37 @@ async def init_group(state: ServeState, request: Request) -> Response:
         )
     if not 0 < req.master_port < 65536:
         raise refused(f"master_port must be a TCP port, got {req.master_port}", "master_port")
+    if state.joining:
+        raise refused("a group join is already under way; retry once it ended", "group_name", 409)
+    state.joining = True
     try:
-        joined = await asyncio.to_thread(
-            join_group,
-            req.master_address,
-            req.master_port,
-            req.rank_offset,
-            req.world_size,
-            backend=req.backend,
-            group_name=req.group_name,
+        # On a thread of its own: a join waits on a peer that may never come, and must
+        # not hold a thread that generation or pushes need.
+        joined = await asyncio.get_running_loop().run_in_executor(
+            state.join_executor,
+            functools.partial(
+                join_group,
+                req.master_address,
+                req.master_port,
+                req.rank_offset,
+                req.world_size,
+                backend=req.backend,
+                group_name=req.group_name,
+                timeout=state.group_timeout,
+            ),
         )
-    except Exception as exc:  # the peer is gone, or the backend is missing
-        raise refused(f"could not join the group: {exc}", "master_address") from None
+    except Exception as exc:  # the peer is gone or never came, or the backend is missing
+        message = _first_line(exc)
+        raise refused(f"could not join the group: {message}", "master_address") from None
+    finally:
+        state.joining = False
     state.groups[req.group_name] = joined
     return JSONResponse({"success": True, "message": f"joined {req.group_name!r}"})
+
+
+def _first_line(exc: BaseException) -> str:
+    """torch.distributed's errors carry C++ backtraces: their first line says it."""
+    return (str(exc).strip().splitlines() or [type(exc).__name__])[0]
 
 
 def _check_specs(state: ServeState, req: FromDistributedBody) -> None:
@@ -166,7 +189,7 @@ async def from_distributed(state: ServeState, request: Request) -> Response:
             )
         except Exception as exc:  # a broken group cannot be trusted again
             state.groups.pop(req.group_name, None)
-            raise refused(f"the broadcast failed: {exc}", "group_name") from None
+            raise refused(f"the broadcast failed: {_first_line(exc)}", "group_name") from None
         await _load(state, tensors, req.dew_version, "names")
         state.published = await asyncio.to_thread(checksum, tensors)
     return JSONResponse(

@@ -17,7 +17,7 @@ top-p over what top-k kept.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -50,6 +50,10 @@ class Draw:
     tokens: list[int]
     log_probs: list[float]
     support: list[list[int] | None]
+    # Rows set aside, not drawn: their logits were not finite (the model's doing), or
+    # their logits were but not once divided by the row's temperature (the request's).
+    broken: list[int] = field(default_factory=list)
+    overflowed: list[int] = field(default_factory=list)
 
 
 def settings(
@@ -101,6 +105,19 @@ def sample(logits: torch.Tensor, rows: RowSettings, generator: torch.Generator) 
     logits = logits.float()
     n = logits.shape[0]
     scaled = logits / rows.temperature.unsqueeze(1)  # [n, V]
+    # A row with a value that is not finite would fail the whole batch's draw: it is
+    # drawn from zeros instead and named (``broken`` or ``overflowed``), so that its
+    # request alone fails. A row's sum is finite iff its values are (or they are so
+    # large that sampling them means nothing anyway): one cheap pass in the usual case.
+    unusable = ~torch.isfinite(scaled.sum(dim=1))  # [n]
+    broken: list[int] = []
+    overflowed: list[int] = []
+    if bool(unusable.any()):
+        model_fault = unusable & ~torch.isfinite(logits.sum(dim=1))  # [n]
+        broken = model_fault.nonzero().squeeze(1).tolist()
+        overflowed = (unusable & ~model_fault).nonzero().squeeze(1).tolist()
+        scaled = scaled.masked_fill(unusable.unsqueeze(1), 0.0)
+        logits = logits.masked_fill(unusable.unsqueeze(1), 0.0)
     tokens = torch.empty(n, dtype=torch.int64, device=logits.device)
     log_probs = torch.zeros(n, dtype=torch.float32, device=logits.device)
     support: list[list[int] | None] = [None] * n
@@ -112,6 +129,8 @@ def sample(logits: torch.Tensor, rows: RowSettings, generator: torch.Generator) 
             tokens=drawn.squeeze(1).tolist(),
             log_probs=logp.gather(1, drawn).squeeze(1).tolist(),
             support=support,
+            broken=broken,
+            overflowed=overflowed,
         )
 
     plain = ~(rows.greedy | rows.filtered)  # [n]
@@ -147,4 +166,4 @@ def sample(logits: torch.Tensor, rows: RowSettings, generator: torch.Generator) 
         order_cpu = order.cpu()
         for j, (i, c) in enumerate(zip(fidx.tolist(), counts.tolist(), strict=True)):
             support[i] = order_cpu[j, :c].tolist()
-    return Draw(tokens=token_list, log_probs=log_probs.tolist(), support=support)
+    return Draw(token_list, log_probs.tolist(), support, broken=broken, overflowed=overflowed)

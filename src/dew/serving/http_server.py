@@ -31,6 +31,13 @@ dew's extensions:
 * Weight pushes carry ``dew_version`` (required) and are refused (400, the old weights
   keep serving) unless it is newer than the served version; a file's own
   ``dew_version`` must equal it, and its checksum must match (:mod:`dew.serving.weights`).
+  A file push names a regular file under the server's weights folder (``--weights-dir``),
+  no larger than the model's tensors could make it; anything else is refused before it
+  is read, and no refusal quotes a file's bytes. A join of a trainer's broadcast group
+  runs one at a time on a thread of its own, and it and every receive in the group wait
+  at most ``group_timeout`` seconds (409 while another join is under way).
+* A request whose draw fails on its own values (logits that overflow over its
+  temperature) fails alone with a 422; the other requests of its batch go on.
 * ``/health`` and ``/get_model_info`` report ``dew_version``; health also
   ``dew_in_flight``, the ``/generate`` requests being served; model info also
   ``dew_max_len``, ``dew_vocab_size`` and ``dew_eos_token_ids``.
@@ -61,8 +68,10 @@ from __future__ import annotations
 
 import asyncio
 import math
+import os
 import uuid
 from collections.abc import Mapping
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from fastapi import FastAPI, Request
@@ -78,6 +87,7 @@ from dew.serving._http_common import (
     parse_body,
 )
 from dew.serving._http_weights import from_disk, from_distributed, init_group
+from dew.serving.weights import weights_root
 
 if TYPE_CHECKING:
     import torch
@@ -131,8 +141,19 @@ def _sampling(state: ServeState, req: GenerateBody) -> SamplingParams:
             top_p=None if sp.top_p == 1.0 else sp.top_p,
             stop_ids=None if stops is None else tuple(stops),
         )
-    except ValueError as exc:
-        raise Refusal(400, str(exc), "sampling_params") from None
+    except ValueError as exc:  # SamplingParams' own bounds; its message opens with the field
+        field = _WIRE_FIELD.get(str(exc).split(" ", 1)[0])
+        raise Refusal(400, str(exc), p + field if field else "sampling_params") from None
+
+
+# SamplingParams' field -> the wire's (SGLang's) name for it.
+_WIRE_FIELD = {
+    "max_tokens": "max_new_tokens",
+    "temperature": "temperature",
+    "top_k": "top_k",
+    "top_p": "top_p",
+    "stop_ids": "stop_token_ids",
+}
 
 
 async def _disconnected(request: Request) -> None:
@@ -214,6 +235,8 @@ async def _generate(state: ServeState, request: Request) -> Response:
             call = await result
         except Aborted as exc:
             return JSONResponse(_aborted(rid, len(req.input_ids), req, exc, engine.version))
+        except ValueError as exc:  # this request's draw alone failed (non-finite logits)
+            raise Refusal(422, f"rid {rid!r}: {exc}", "sampling_params") from None
         except RuntimeError as exc:
             raise Refusal(503, f"the engine is not serving: {exc}", None) from None
         return JSONResponse(_answer(rid, len(req.input_ids), req, call))
@@ -234,11 +257,17 @@ def build_app(
     model_path: str = "",
     tokenizer_path: str | None = None,
     reference: Mapping[str, torch.Tensor] | None = None,
+    weights_dir: str | os.PathLike[str] | None = None,
+    group_timeout: float = 30.0,
 ) -> tuple[FastAPI, ServeState]:
     """The app serving ``engine``, and its state (``abort_all`` for shutdown).
 
     ``reference`` (the served model's state dict) lets a broadcast push be checked by
-    name and shape before any tensor is received.
+    name and shape before any tensor is received, and bounds the size of a weights
+    file. ``weights_dir``: the only folder whose files a push may name (default
+    :func:`dew.serving.weights.weights_root`, where engines on this machine write).
+    ``group_timeout``: seconds a join of a trainer's broadcast group may wait for it,
+    and each receive in it; one join at a time. ``state.close()`` lets its thread go.
     """
     state = ServeState(
         engine,
@@ -246,6 +275,8 @@ def build_app(
         model_path=model_path,
         tokenizer_path=tokenizer_path,
         reference=reference,
+        weights_dir=weights_root() if weights_dir is None else Path(weights_dir),
+        group_timeout=group_timeout,
     )
     app = FastAPI(docs_url=None, redoc_url=None, openapi_url=None)
 

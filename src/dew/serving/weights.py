@@ -32,6 +32,7 @@ import datetime
 import hashlib
 import json
 import os
+import stat
 import struct
 import tempfile
 import time
@@ -56,6 +57,7 @@ __all__ = [
     "receive_tensors",
     "tensor_specs",
     "weights_path",
+    "weights_root",
     "write_weights",
 ]
 
@@ -163,27 +165,34 @@ def write_weights(state: Any, folder: str | os.PathLike[str], version: int) -> P
     return final
 
 
-def _read_metadata(path: Path, data: bytes) -> dict[str, str]:
-    size = len(data)
+def _read_header(path: Path, f: Any, size: int) -> tuple[bytes, dict[str, str]]:
+    """The header's bytes (its 8-byte length included) and its metadata, read before
+    anything else and checked against the file's ``size``. Messages name the file and
+    the problem, never its bytes."""
     if size < 8:
         raise WeightsError(f"{path}: truncated ({size} bytes; no safetensors header)")
-    (n,) = struct.unpack("<Q", data[:8])
+    head = f.read(8)
+    (n,) = struct.unpack("<Q", head)
     if n > _HEADER_LIMIT or 8 + n > size:
-        raise WeightsError(f"{path}: truncated or corrupt header (claims {n} bytes)")
+        raise WeightsError(f"{path}: not a safetensors file (its header length does not fit)")
+    raw = f.read(n)
     try:
-        header = json.loads(data[8 : 8 + n])
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise WeightsError(f"{path}: corrupt header ({exc})") from None
+        header = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError):
+        raise WeightsError(f"{path}: not a safetensors file (its header is not JSON)") from None
     if not isinstance(header, dict):
         raise WeightsError(f"{path}: corrupt header (not a JSON object)")
-    end = max(
-        (int(v["data_offsets"][1]) for k, v in header.items() if k != "__metadata__"),
-        default=0,
-    )
+    try:
+        end = max(
+            (int(v["data_offsets"][1]) for k, v in header.items() if k != "__metadata__"),
+            default=0,
+        )
+    except (KeyError, TypeError, ValueError, IndexError):
+        raise WeightsError(f"{path}: corrupt header (malformed data_offsets)") from None
     if 8 + n + end != size:
         raise WeightsError(f"{path}: truncated ({size} bytes, the header describes {8 + n + end})")
     meta = header.get("__metadata__")
-    return meta if isinstance(meta, dict) else {}
+    return head + raw, meta if isinstance(meta, dict) else {}
 
 
 @dataclass(frozen=True)
@@ -209,44 +218,85 @@ def checksum(tensors: Mapping[str, torch.Tensor]) -> str:
     return _checksum(tensors)
 
 
-def open_weights(path: str | os.PathLike[str]) -> WeightsFile:
+def weights_root() -> Path:
+    """The folder weights files go to, and the only one servers read, when none is
+    named: ``dew-weights-<uid>`` in shared memory (``/dev/shm``) where there is one,
+    else in the temp folder, private to this user (made ``0700``; one found there that
+    is not this user's own folder is refused, never used)."""
+    shm = Path("/dev/shm")
+    base = shm if shm.is_dir() else Path(tempfile.gettempdir())
+    root = base / f"dew-weights-{os.getuid()}"
+    root.mkdir(mode=0o700, exist_ok=True)
+    info = os.lstat(root)
+    if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.getuid():
+        raise WeightsError(f"{root} is not a folder of this user's: name a weights folder")
+    return root
+
+
+def open_weights(
+    path: str | os.PathLike[str],
+    *,
+    root: str | os.PathLike[str] | None = None,
+    max_bytes: int | None = None,
+) -> WeightsFile:
     """Read and check a file :func:`write_weights` wrote.
 
     Raises :class:`WeightsError` when the file is missing, truncated or corrupt, its
     checksum does not match, or it carries no valid version. The file is read once, so
     a writer replacing it meanwhile cannot mix two versions.
+
+    For paths that others name (a server's clients): ``root``, the only folder whose
+    files are read (links resolved first; a path outside is refused before it is
+    looked at, so the refusal says nothing of what exists there); ``max_bytes``, the
+    largest file read. Only regular files are read (a FIFO or a device is refused
+    without blocking), the header before anything else, and no message quotes the
+    file's bytes.
     """
     from safetensors.torch import load
 
     path = Path(path)
+    flags = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0)
+    if root is not None:
+        real = Path(os.path.realpath(path))
+        if not real.is_relative_to(os.path.realpath(root)):
+            raise WeightsError(f"{path}: weights are read only from {root}")
+        path, flags = real, flags | getattr(os, "O_NOFOLLOW", 0)  # no link swapped in since
     try:
-        data = path.read_bytes()
+        fd = os.open(path, flags)
     except FileNotFoundError:
         raise WeightsError(f"{path}: no such file") from None
     except OSError as exc:
-        raise WeightsError(f"{path}: cannot be read ({exc})") from None
-    try:
-        meta = _read_metadata(path, data)
-    except WeightsError:
-        raise
-    except Exception as exc:  # malformed offsets and the like
-        raise WeightsError(f"{path}: corrupt header ({exc!r})") from None
-    raw_version = meta.get("dew_version")
-    if raw_version is None:
-        raise WeightsError(f"{path}: no dew_version in the metadata")
-    if not (raw_version.isascii() and raw_version.isdigit()):
-        raise WeightsError(f"{path}: dew_version {raw_version!r} is not an integer >= 0")
-    want = meta.get("dew_sha256")
-    if not want:
-        raise WeightsError(f"{path}: no dew_sha256 checksum in the metadata")
+        raise WeightsError(f"{path}: cannot be read ({exc.strerror})") from None
+    with os.fdopen(fd, "rb") as f:
+        info = os.fstat(f.fileno())
+        if not stat.S_ISREG(info.st_mode):
+            raise WeightsError(f"{path}: not a regular file")
+        size = info.st_size
+        if max_bytes is not None and size > max_bytes:
+            raise WeightsError(f"{path}: {size} bytes, more than the {max_bytes} a push may hold")
+        try:
+            head, meta = _read_header(path, f, size)
+            raw_version = meta.get("dew_version")
+            if raw_version is None:
+                raise WeightsError(f"{path}: no dew_version in the metadata")
+            if not (raw_version.isascii() and raw_version.isdigit()):
+                raise WeightsError(f"{path}: dew_version is not an integer >= 0")
+            want = meta.get("dew_sha256")
+            if not want:
+                raise WeightsError(f"{path}: no dew_sha256 checksum in the metadata")
+            data = head + f.read(size - len(head))
+        except OSError as exc:
+            raise WeightsError(f"{path}: cannot be read ({exc.strerror})") from None
+    if len(data) != size:
+        raise WeightsError(f"{path}: changed while it was read")
     try:
         tensors = load(data)
-    except Exception as exc:
-        raise WeightsError(f"{path}: corrupt ({exc})") from None
+    except Exception:
+        raise WeightsError(f"{path}: corrupt (its tensors do not read)") from None
     del data
     got = _checksum(tensors)
     if got != want:
-        raise WeightsError(f"{path}: checksum mismatch (file says {want[:12]}…, data {got[:12]}…)")
+        raise WeightsError(f"{path}: checksum mismatch (the data is not what the header says)")
     return WeightsFile(tensors, int(raw_version), got)
 
 

@@ -25,7 +25,6 @@ from dew.serving.fleet._parts import (
     CLOSED,
     ENGINES,
     OUT,
-    SHM,
     UP,
     FleetCall,
     FleetFuture,
@@ -38,6 +37,7 @@ from dew.serving.fleet._parts import (
 )
 from dew.serving.fleet._router import RouterAdmin, RouterProcess
 from dew.serving.http_engine import HTTPEngine
+from dew.serving.weights import weights_root
 
 log = logging.getLogger("dew.serving.fleet")
 
@@ -156,9 +156,8 @@ class EngineFleet(Care, Engine):
         self._waiting: deque[FleetCall] = deque()
         self._files: list[tuple[int, Path]] = []  # (version, path), oldest first
         self._own_dir = weights_dir is None or _own_dir
-        shm = SHM if SHM.is_dir() else None
         self._dir = (
-            Path(tempfile.mkdtemp(prefix="dew-fleet-", dir=shm))
+            Path(tempfile.mkdtemp(prefix="fleet-", dir=weights_root()))
             if weights_dir is None
             else Path(weights_dir)
         )
@@ -208,9 +207,8 @@ class EngineFleet(Care, Engine):
             raise ValueError("launch needs count >= 1 and exactly one of demo= or model=")
         if engine not in ENGINES:
             raise ValueError(f"engine={engine!r} is not one of {sorted(ENGINES)}")
-        if engine == "vllm" and kwargs.get("weights_dir") is None:
-            shm = SHM if SHM.is_dir() else None
-            kwargs.update(weights_dir=tempfile.mkdtemp(prefix="dew-fleet-", dir=shm))
+        if kwargs.get("weights_dir") is None:  # the servers are told it: made first
+            kwargs.update(weights_dir=tempfile.mkdtemp(prefix="fleet-", dir=weights_root()))
             kwargs.update(_own_dir=True)
         locals_ = local_processes(
             engine, count, demo=demo, model=model, seed=seed, args=args, env=env,

@@ -15,7 +15,6 @@ import time
 from collections.abc import Hashable, Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import IO, Any, Protocol
 
 from dew.core import Call, EngineError, SamplingParams
@@ -23,7 +22,6 @@ from dew.serving._http_base import LoopEngine
 
 PREFIX = "dew serve: listening on "
 UP, OUT, RESTARTING, CLOSED = "up", "out", "restarting", "closed"
-SHM = Path("/dev/shm")
 BACKOFF_MAX = 30.0
 
 
@@ -51,16 +49,16 @@ def local_processes(
     env: Mapping[str, str] | None,
     python: str | os.PathLike[str] | None,
     router: str | None,
-    weights_dir: str | os.PathLike[str] | None,
+    weights_dir: str | os.PathLike[str],
 ) -> list[Process]:
-    """The ``count`` local servers :meth:`EngineFleet.launch` starts (its docstring)."""
+    """The ``count`` local servers :meth:`EngineFleet.launch` starts (its docstring),
+    whose weight pushes read only ``weights_dir``."""
     if engine == "vllm":
         if model is None or router is not None:
             raise ValueError("engine='vllm' serves a model folder (model=), with no router")
         from dew.serving.vllm import VLLMProcess, vllm_python
 
         interpreter = vllm_python(python)
-        assert weights_dir is not None
         vllm_args = [*args, "--seed", str(seed)]
         return [
             VLLMProcess(interpreter, model, weights_dir=weights_dir, args=vllm_args, env=env)
@@ -68,7 +66,7 @@ def local_processes(
         ]
     what = ["--demo", str(demo)] if demo is not None else ["--model", str(model)]
     argv = [sys.executable, "-m", "dew.serve", *what, "--seed", str(seed)]
-    argv += [*args, "--host", "127.0.0.1", "--port", "0"]
+    argv += ["--weights-dir", str(weights_dir), *args, "--host", "127.0.0.1", "--port", "0"]
     environ = None if env is None else {**os.environ, **env}
     return [Local(list(argv), environ) for _ in range(count)]
 

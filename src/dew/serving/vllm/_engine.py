@@ -74,7 +74,7 @@ ON_LOAD = ("recompute", "keep")
 EXTENSION = "dew.serving.vllm.extension.WorkerExtension"
 _ID_PREFIX = "generate-tokens-"  # what vLLM's token route puts before a request's id
 _SALT = "dew-v"
-TRANSFER_ARGS = ("--weight-transfer-config", '{"backend": "%s"}' % TRANSFER_BACKEND)
+TRANSFER_ARGS = ("--weight-transfer-config", json.dumps({"backend": TRANSFER_BACKEND}))
 
 
 def server_args() -> list[str]:
@@ -331,7 +331,9 @@ class VLLMEngine(LoopEngine):
         except BaseException as exc:
             group.close()
             if isinstance(exc, Exception):
-                raise EngineError(f"{self._url}: the server did not join the group: {exc}") from None
+                raise EngineError(
+                    f"{self._url}: the server did not join the group: {exc}"
+                ) from None
             raise
         return group
 

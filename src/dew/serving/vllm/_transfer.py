@@ -17,8 +17,9 @@ the sender inside the collective, so the tensors are received whole and then che
 (the trainer asks the extension's ``dew_check_broadcast`` first, so a refusal here is
 a race, not the rule). An update never raises for a push it refuses, since an error
 out of ``/update_weights`` takes vLLM's engine down: the refusal is kept, and the
-trainer reads the outcome through the extension's ``dew_transfer_outcome``. Checks, loading and the served version are those of the
-extension's :class:`~dew.serving.vllm.extension.ServedWeights`, shared through the model.
+trainer reads the outcome through the extension's ``dew_transfer_outcome``. Checks,
+loading and the served version are those of the extension's
+:class:`~dew.serving.vllm.extension.ServedWeights`, shared through the model.
 """
 
 from __future__ import annotations

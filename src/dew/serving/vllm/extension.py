@@ -29,13 +29,15 @@ transfer backend share it, holds the version and checksum served. An older versi
 refused; the same version is a no-op when the checksum matches and refused otherwise,
 except over the weights the server started with (version 0, no checksum), which a push
 of version 0 replaces: a trainer's first push is its version 0.
-``DEW_VLLM_WEIGHTS_DIR``, when set in the server's environment, is the only folder
-whose files it reads (a launched server has it set to the fleet's folder).
+Files are read only from ``DEW_VLLM_WEIGHTS_DIR`` (a launched server has it set to the
+fleet's folder), else from :func:`dew.serving.weights.weights_root`, where engines on
+the machine write by default; only regular files no larger than the model could make.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 from pathlib import Path
 from typing import Any
@@ -74,17 +76,15 @@ class WorkerExtension:
         """Serve the weights file ``path`` (written by
         :func:`dew.serving.weights.write_weights`) as ``version``; see the module
         docstring. Returns ``{"version": v}`` or ``{"refused": why}``."""
-        from dew.serving.weights import WeightsError, open_weights
+        from dew.serving.weights import WeightsError, open_weights, weights_root
 
         served = self._dew_served()
         want = int(version)
-        allowed = os.environ.get(WEIGHTS_DIR_ENV)
-        if allowed and not Path(path).resolve().is_relative_to(Path(allowed).resolve()):
-            return {"refused": f"weights are read only from {allowed}"}
         if want < served.version:
             return {"refused": f"version {want} is older than the served {served.version}"}
         try:
-            weights = open_weights(path)
+            root = os.environ.get(WEIGHTS_DIR_ENV) or weights_root()
+            weights = open_weights(path, root=root, max_bytes=served.max_bytes())
         except WeightsError as exc:
             return {"refused": str(exc)}
         if weights.version != want:
@@ -188,6 +188,12 @@ class ServedWeights:
         reload(weights_iterator=iter(tensors.items()))
         _repack_tied_heads(self.model)
         self.version, self.checksum = version, digest
+
+    def max_bytes(self) -> int:
+        """The largest weights file a push may name: the checkpoint's tensors at 8 bytes
+        an element (no dtype is wider) and the largest header safetensors allows."""
+        elements = sum(math.prod(shape) for shape in self.spec().values())
+        return 8 * elements + (100 << 20) + 8
 
     def spec(self) -> dict[str, tuple[int, ...]]:
         """Name -> shape of every tensor of the checkpoint the server started from."""
