@@ -78,7 +78,8 @@ class Response:
 
     def error_message(self) -> str:
         """The server's error: dew's ``{"error": {"message", "param"}}`` as
-        ``param: message`` (the message alone when it names its param first), else a ``message`` or ``detail`` field, else the raw text."""
+        ``param: message`` (the message alone when it names its param first), else a
+        ``message`` or ``detail`` field, else the raw text."""
         data = self.json()
         if data is None:
             return self.body[:500].decode("utf-8", "replace") or self.reason
