@@ -53,7 +53,7 @@ from functools import partial
 from pathlib import Path
 from typing import Any, Protocol
 
-from dew import _checkpoint
+from dew import _checkpoint, _runlock
 from dew._checkpoint import CheckpointError, step_of
 from dew._collector import FreezeAfter
 from dew._sinks import JsonlSink, Sink, tensorboard_sink
@@ -382,162 +382,174 @@ def fit(
     own = run if run is None or rank == 0 else run / f"rank{rank}"  # this process's records
     guard: Callable[[str], Any] = (lambda what: nullcontext()) if pool is None else pool.collective
 
-    if resume is False and folder is not None and _checkpoint.checkpoints(folder):
-        raise ValueError(
-            f"run_dir={str(run)!r} already holds checkpoints: pass resume=True to continue "
-            "it, or use a new run_dir"
-        )
+    # One writer per run folder: a second process on it is refused, not run beside it.
+    held = _runlock.hold(run) if run is not None and rank == 0 else nullcontext()
+    with held:
+        if resume is False and folder is not None and _checkpoint.checkpoints(folder):
+            raise ValueError(
+                f"run_dir={str(run)!r} already holds checkpoints: pass resume=True to continue "
+                "it, or use a new run_dir"
+            )
 
-    # 1. Restore.
-    updates, position, records = 0, 0, []
-    if pool is None:
-        source = _resume_path(run, resume, _checkpoint.latest)
-    else:
-        from dew.pool import _checkpoint as pool_checkpoints
-
-        source = _resume_path(run, resume, lambda f: pool_checkpoints.latest(f, pool), sharded=True)
-    if source is not None:
+        # 1. Restore.
+        updates, position, records = 0, 0, []
         if pool is None:
-            ckpt = _checkpoint.load(source, model=model, optimizer=optimizer)
+            source = _resume_path(run, resume, _checkpoint.latest)
         else:
-            ckpt = pool_checkpoints.load(source, model=model, optimizer=optimizer, pool=pool)
-        same = folder is not None and source.parent.resolve() == folder.resolve()
-        if same and rank == 0:
-            assert folder is not None
-            _set_aside_newer(folder, ckpt.updates)
-        updates, position, records = ckpt.updates, ckpt.position, ckpt.records
-        _restore_history(rollout, records)
-        logger.info("resumed from %s at update %d, data position %d", source, updates, position)
-    sinks: list[Sink] = []
-    if run is not None and own is not None:
-        own.mkdir(parents=True, exist_ok=True)
-        sinks.append(JsonlSink(own / "records.jsonl", records))
-        folder_tb = run / "tensorboard"
-        if tensorboard and rank == 0 and (tb := tensorboard_sink(folder_tb, resumed_at=updates)):
-            sinks.append(tb)
-    result = FitResult(updates=updates, position=position, records=records, resumed_from=source)
+            from dew.pool import _checkpoint as pool_checkpoints
 
-    def checkpoint() -> None:
-        if folder is None:
-            return
-        save = _checkpoint.save if pool is None else partial(pool_checkpoints.save, pool=pool)
-        result.checkpoint = save(
-            folder,
-            model=model,
-            optimizer=optimizer,
-            updates=updates,
-            position=position,
-            records=records,
-            extra={"config": _jsonable(dict(config or {}))},
-            keep=keep,
-        )
-
-    # Once the first steps have grown the long-lived heap, it may leave the collector's
-    # generations: a full pass over it stalls every thread (see dew._collector).
-    warm = FreezeAfter(_FREEZE_AFTER) if freeze_gc else None
-    empty: list[int] = []  # the steps in a row that trained no token
-    errors: list[str] = []  # the latest failed attempts over those steps
-    warned = False
-    try:
-        # 2. Open the stream where the checkpoint left it.
-        tasks = rollout.tasks(dataset) if hasattr(rollout, "tasks") else dataset
-        reader: Iterator[Batch] = Prefetch(tasks.stream(position), prefetch)
-        while updates < steps:
-            # 3. One batch, one rollout call, one update.
-            t0 = time.monotonic()
-            batch = next(reader)
-            seen = len(_history(rollout))
-            with guard("rollout call"):  # a pool's push and rescoring are collectives
-                packed = rollout(model, batch, updates=updates)
-            t1 = time.monotonic()
-            optimizer.zero_grad(set_to_none=True)
-            with guard("training step"):  # a sharded model's gathers and reductions
-                loss, metrics = _backward(objective, model, packed, micro_batches)
-                grad_norm = None
-                if max_grad_norm is not None:
-                    grad_norm = _clip_grad_norm(model, max_grad_norm)
-                optimizer.step()
-            t2 = time.monotonic()
-
-            # 4. Record it.
-            record: Record = {
-                "step": updates + 1,
-                "position": position,
-                "time": time.time(),
-                "seconds": t2 - t0,
-                "rollout_seconds": t1 - t0,
-                "train_seconds": t2 - t1,
-                "loss": loss,
-                "metrics": {k: float(v) for k, v in metrics.items()},
-            }
-            if grad_norm is not None:
-                record["grad_norm"] = grad_norm if math.isfinite(grad_norm) else str(grad_norm)
-            if "loss_mask" in packed:
-                record["trained_tokens"] = int(packed["loss_mask"].sum())
-            history = _history(rollout)
-            if len(history) > seen:
-                record["scheduler"] = _jsonable(history[-1])
-            last_tasks = getattr(rollout, "last_tasks", None)
-            if last_tasks:
-                record["tasks"] = {k: list(v) for k, v in last_tasks.items()}
-            elif "task_id" in batch:
-                record["tasks"] = {"trained": [str(int(i)) for i in batch["task_id"]]}
-            updates += 1
-            position += 1
-            records.append(record)
-            for sink in sinks:
-                sink(record)
-            for callback in log:
-                callback(record)
-            result.updates, result.position = updates, position
-            if warm is not None:
-                warm.step()
-            if record.get("trained_tokens", 1) == 0:
-                empty.append(updates)
-                errors = (errors + list(getattr(rollout, "last_errors", ())))[-5:]
-                if not warned:
-                    warned = True
-                    logger.warning("step %d trained no token: %s", updates, _empty_cause(record))
+            source = _resume_path(
+                run, resume, lambda f: pool_checkpoints.latest(f, pool), sharded=True
+            )
+        if source is not None:
+            if pool is None:
+                ckpt = _checkpoint.load(source, model=model, optimizer=optimizer)
             else:
-                empty, errors = [], []
-            stalled = None
-            if max_empty_steps is not None and len(empty) >= max_empty_steps:
-                stalled = (
-                    f"{len(empty)} steps in a row ({empty[0]}..{empty[-1]}) trained no "
-                    f"token: {_empty_cause(record)}; latest failed attempts: "
-                    + ("; ".join(errors) if errors else "none reported")
-                    + " (fit(max_empty_steps=None) trains on regardless)"
-                )
-            if pool is not None:
-                # Agreed, so that every process stops at the same step with the same
-                # error, not one alone while the others wait for it in the next round.
-                said = pool.exchange("stalled", stalled or "")
-                stalled = (
-                    "; ".join(
-                        f"rank {r} of {pool.world}: {why}" for r, why in enumerate(said) if why
-                    )
-                    or None
-                )
-            if stalled is not None:
-                raise TrainingStalled(stalled)
+                ckpt = pool_checkpoints.load(source, model=model, optimizer=optimizer, pool=pool)
+            same = folder is not None and source.parent.resolve() == folder.resolve()
+            if same and rank == 0:
+                assert folder is not None
+                _set_aside_newer(folder, ckpt.updates)
+            updates, position, records = ckpt.updates, ckpt.position, ckpt.records
+            _restore_history(rollout, records)
+            logger.info("resumed from %s at update %d, data position %d", source, updates, position)
+        sinks: list[Sink] = []
+        if run is not None and own is not None:
+            own.mkdir(parents=True, exist_ok=True)
+            sinks.append(JsonlSink(own / "records.jsonl", records))
+            folder_tb = run / "tensorboard"
+            if (
+                tensorboard
+                and rank == 0
+                and (tb := tensorboard_sink(folder_tb, resumed_at=updates))
+            ):
+                sinks.append(tb)
+        result = FitResult(updates=updates, position=position, records=records, resumed_from=source)
 
-            # 5. Checkpoint.
-            if checkpoint_every is not None and updates % checkpoint_every == 0:
+        def checkpoint() -> None:
+            if folder is None:
+                return
+            save = _checkpoint.save if pool is None else partial(pool_checkpoints.save, pool=pool)
+            result.checkpoint = save(
+                folder,
+                model=model,
+                optimizer=optimizer,
+                updates=updates,
+                position=position,
+                records=records,
+                extra={"config": _jsonable(dict(config or {}))},
+                keep=keep,
+            )
+
+        # Once the first steps have grown the long-lived heap, it may leave the collector's
+        # generations: a full pass over it stalls every thread (see dew._collector).
+        warm = FreezeAfter(_FREEZE_AFTER) if freeze_gc else None
+        empty: list[int] = []  # the steps in a row that trained no token
+        errors: list[str] = []  # the latest failed attempts over those steps
+        warned = False
+        try:
+            # 2. Open the stream where the checkpoint left it.
+            tasks = rollout.tasks(dataset) if hasattr(rollout, "tasks") else dataset
+            reader: Iterator[Batch] = Prefetch(tasks.stream(position), prefetch)
+            while updates < steps:
+                # 3. One batch, one rollout call, one update.
+                t0 = time.monotonic()
+                batch = next(reader)
+                seen = len(_history(rollout))
+                with guard("rollout call"):  # a pool's push and rescoring are collectives
+                    packed = rollout(model, batch, updates=updates)
+                t1 = time.monotonic()
+                optimizer.zero_grad(set_to_none=True)
+                with guard("training step"):  # a sharded model's gathers and reductions
+                    loss, metrics = _backward(objective, model, packed, micro_batches)
+                    grad_norm = None
+                    if max_grad_norm is not None:
+                        grad_norm = _clip_grad_norm(model, max_grad_norm)
+                    optimizer.step()
+                t2 = time.monotonic()
+
+                # 4. Record it.
+                record: Record = {
+                    "step": updates + 1,
+                    "position": position,
+                    "time": time.time(),
+                    "seconds": t2 - t0,
+                    "rollout_seconds": t1 - t0,
+                    "train_seconds": t2 - t1,
+                    "loss": loss,
+                    "metrics": {k: float(v) for k, v in metrics.items()},
+                }
+                if grad_norm is not None:
+                    record["grad_norm"] = grad_norm if math.isfinite(grad_norm) else str(grad_norm)
+                if "loss_mask" in packed:
+                    record["trained_tokens"] = int(packed["loss_mask"].sum())
+                history = _history(rollout)
+                if len(history) > seen:
+                    record["scheduler"] = _jsonable(history[-1])
+                last_tasks = getattr(rollout, "last_tasks", None)
+                if last_tasks:
+                    record["tasks"] = {k: list(v) for k, v in last_tasks.items()}
+                elif "task_id" in batch:
+                    record["tasks"] = {"trained": [str(int(i)) for i in batch["task_id"]]}
+                updates += 1
+                position += 1
+                records.append(record)
+                for sink in sinks:
+                    sink(record)
+                for callback in log:
+                    callback(record)
+                result.updates, result.position = updates, position
+                if warm is not None:
+                    warm.step()
+                if record.get("trained_tokens", 1) == 0:
+                    empty.append(updates)
+                    errors = (errors + list(getattr(rollout, "last_errors", ())))[-5:]
+                    if not warned:
+                        warned = True
+                        logger.warning(
+                            "step %d trained no token: %s", updates, _empty_cause(record)
+                        )
+                else:
+                    empty, errors = [], []
+                stalled = None
+                if max_empty_steps is not None and len(empty) >= max_empty_steps:
+                    stalled = (
+                        f"{len(empty)} steps in a row ({empty[0]}..{empty[-1]}) trained no "
+                        f"token: {_empty_cause(record)}; latest failed attempts: "
+                        + ("; ".join(errors) if errors else "none reported")
+                        + " (fit(max_empty_steps=None) trains on regardless)"
+                    )
+                if pool is not None:
+                    # Agreed, so that every process stops at the same step with the same
+                    # error, not one alone while the others wait for it in the next round.
+                    said = pool.exchange("stalled", stalled or "")
+                    stalled = (
+                        "; ".join(
+                            f"rank {r} of {pool.world}: {why}" for r, why in enumerate(said) if why
+                        )
+                        or None
+                    )
+                if stalled is not None:
+                    raise TrainingStalled(stalled)
+
+                # 5. Checkpoint.
+                if checkpoint_every is not None and updates % checkpoint_every == 0:
+                    checkpoint()
+            # The final state is always saved (unless it already is).
+            last = result.checkpoint or source
+            if folder is not None and (
+                last is None
+                or last.resolve() != (folder / _checkpoint.step_name(updates)).resolve()
+            ):
                 checkpoint()
-        # The final state is always saved (unless it already is).
-        last = result.checkpoint or source
-        if folder is not None and (
-            last is None or last.resolve() != (folder / _checkpoint.step_name(updates)).resolve()
-        ):
-            checkpoint()
-        elif result.checkpoint is None:
-            result.checkpoint = last
-    finally:
-        if warm is not None:
-            warm.release()
-        for sink in sinks:
-            sink.close()
-    return result
+            elif result.checkpoint is None:
+                result.checkpoint = last
+        finally:
+            if warm is not None:
+                warm.release()
+            for sink in sinks:
+                sink.close()
+        return result
 
 
 def read_records(run_dir: str | os.PathLike[str]) -> list[Record]:

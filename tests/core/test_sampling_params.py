@@ -7,7 +7,7 @@ import dataclasses
 import numpy as np
 import pytest
 
-from dew.core import SamplingParams
+from dew.core import MIN_TEMPERATURE, SamplingParams
 
 
 def test_defaults_and_normalization() -> None:
@@ -34,6 +34,8 @@ def test_defaults_and_normalization() -> None:
         ({"temperature": -1.0}, "temperature"),
         ({"temperature": float("inf")}, "temperature"),
         ({"temperature": "1"}, "temperature"),
+        ({"temperature": 1e-300}, r"temperature must be 0 \(greedy\) or >= 0.01"),
+        ({"temperature": 0.0099}, r"temperature must be 0 \(greedy\) or >= 0.01"),
         ({"top_k": 0}, "top_k must be >= 1"),
         ({"top_p": 0.0}, "top_p"),
         ({"top_p": 1.01}, "top_p"),
@@ -48,3 +50,8 @@ def test_refusals_name_the_field(kwargs: dict[str, object], message: str) -> Non
     args = {"max_tokens": 4, **kwargs}
     with pytest.raises(ValueError, match=message):
         SamplingParams(**args)  # type: ignore[arg-type]
+
+
+def test_the_lowest_temperature_and_greedy_are_taken() -> None:
+    assert SamplingParams(max_tokens=1, temperature=MIN_TEMPERATURE).temperature == 0.01
+    assert SamplingParams(max_tokens=1, temperature=0).temperature == 0.0

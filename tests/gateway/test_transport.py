@@ -215,6 +215,40 @@ def test_a_stream_left_at_its_last_event_still_gives_its_connection_back() -> No
         server.close()
 
 
+@pytest.mark.timeout(60)
+def test_a_streams_end_that_comes_just_after_the_reader_left_is_still_read(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    closing = threading.Event()
+
+    def stream(conn: socket.socket) -> None:
+        read_request(conn)
+        conn.sendall(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n6\r\nevent1\r\n")
+        assert closing.wait(WAIT)  # the reader is closing, with the end not yet sent
+        conn.sendall(b"0\r\n\r\n")  # as a busy server's end comes: a moment late
+        server.stop.wait(WAIT)
+
+    import dew.gateway._transport as transport_module
+
+    quiet = transport_module._quiet
+
+    def quiet_noting_the_close(sock: socket.socket, within: float = 0.0) -> bool:
+        if within > 0:
+            closing.set()
+        return quiet(sock, within)
+
+    monkeypatch.setattr(transport_module, "_quiet", quiet_noting_the_close)
+    server = RawServer(stream)
+    transport = LoopbackTransport()
+    try:
+        with httpx.Client(transport=transport, timeout=WAIT) as http:
+            with http.stream("POST", server.url, content=b"{}") as response:
+                assert next(response.iter_raw()) == b"event1"
+            assert len(transport._idle) == 1  # the late end was read: the connection kept
+    finally:
+        server.close()
+
+
 def test_quiet_tells_an_idle_connection_from_a_closed_or_chatty_one() -> None:
     a, b = socket.socketpair()
     try:

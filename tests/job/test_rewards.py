@@ -95,6 +95,41 @@ def text(task, completion, call):
             verifier(Task("0"), "4", call([9]))
 
 
+def test_numpy_scalars_score_as_in_trl_and_an_overflow_names_the_function(
+    tmp_path: Path,
+) -> None:
+    path = reward_file(
+        tmp_path,
+        """
+import numpy as np
+
+def f32(prompts, completions, **kwargs):
+    return [np.float32(0.5)]
+
+def i64(prompts, completions, **kwargs):
+    return [np.int64(2)]
+
+def huge(prompts, completions, **kwargs):
+    return [10**400]
+
+def parts(task, completion, call):
+    return {"a": np.float64(0.25), "b": 10**400}
+""",
+    )
+    for name, want in (("f32", 0.5), ("i64", 2.0)):
+        verifier = combine(
+            [load_reward(f"{path}:{name}")], ROWS, prompt_column="prompt", chat=False
+        )
+        (value,) = verifier(Task("0"), "4", call([9])).values()
+        assert value == want and type(value) is float
+    for name in ("huge", "parts"):
+        verifier = combine(
+            [load_reward(f"{path}:{name}")], ROWS, prompt_column="prompt", chat=False
+        )
+        with pytest.raises(RewardError, match=rf"reward .*:{name} returned 1000.*not a finite"):
+            verifier(Task("0"), "4", call([9]))
+
+
 def test_loading_errors_name_the_function(tmp_path: Path) -> None:
     path = reward_file(tmp_path, "import not_a_module_anywhere\n")
     cases = [

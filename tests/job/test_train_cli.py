@@ -8,6 +8,7 @@ import os
 import struct
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -376,3 +377,28 @@ def test_dew_train_on_a_keyed_server_sends_its_key_and_never_writes_it(
             if file.is_file() and file.stat().st_size < 1 << 20:
                 assert key.encode() not in file.read_bytes(), file
         assert key not in done.stderr + done.stdout
+
+
+@pytest.mark.timeout(300)
+def test_a_second_trainer_on_a_running_folder_is_refused_in_one_line(
+    tmp_path: Path, model_dir: Path
+) -> None:
+    path = config(tmp_path, model_dir)
+    run = tmp_path / "run"
+    argv = [sys.executable, "-m", "dew.cli", "train", str(path), "--no-progress"]
+    argv += ["--training.steps", "500", "--output.wandb", "false"]
+    first = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 200
+        while not (run / "records.jsonl").is_file() or not (run / "records.jsonl").stat().st_size:
+            assert first.poll() is None and time.monotonic() < deadline, "no step recorded"
+            time.sleep(0.1)
+        for extra in ((), ("--resume",)):
+            done = dew_train(str(path), "--output.wandb", "false", *extra)
+            lines = done.stderr.strip().splitlines()
+            assert done.returncode == 2 and len(lines) == 1, done.stderr[-2000:]
+            assert f"in use by another process (pid {first.pid})" in lines[0]
+        assert first.poll() is None  # the first trains on, its folder untouched
+    finally:
+        first.kill()
+        first.wait()

@@ -36,7 +36,7 @@ from ._fleet_helpers import (
     train,
     wait_for,
 )
-from ._helpers import WAIT, chaos_seed, lively
+from ._helpers import WAIT, chaos_seed, hf_greedy, lively
 
 LONG = SamplingParams(max_tokens=900, stop_ids=())  # far longer than any test waits
 SHORT = SamplingParams(max_tokens=4, stop_ids=())
@@ -247,3 +247,25 @@ def test_chaos_a_stopped_member_is_taken_out_and_rejoins(tmp_path: Path) -> None
         for f in futures:
             fleet.abort(f)
         wait(futures, timeout=WAIT)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_chaos_a_push_while_every_member_is_dead_waits_for_their_restart() -> None:
+    with EngineFleet.launch(2, demo="tiny", env=ONE_THREAD, health_interval=0.2) as fleet:
+        first, second = lively("qwen2", 4), lively("qwen2", 5)
+        fleet.load(first, 1)
+        for m in fleet.members():
+            os.kill(m.pid, signal.SIGKILL)
+        # At once, as a trainer's next push would: no member takes it, both are restarted
+        # (and brought to v1 first), and the push waits for them, then lands.
+        fleet.load(second, 2)
+        assert fleet.version == 2
+        members = wait_for(
+            fleet, lambda ms: all(m.state == "up" for m in ms), WAIT, "not both back"
+        )
+        assert all(m.restarts == 1 and m.version == 2 for m in members), members
+        prompt = [7, 8, 9]
+        call = fleet.generate(prompt, SamplingParams(max_tokens=6, temperature=0, stop_ids=()))
+        assert call.version == 2
+        assert list(call.completion) == hf_greedy(second, prompt, 6)

@@ -11,6 +11,8 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 
+from dew.core._checks import is_real
+
 __all__ = ["error_text", "parse_reward"]
 
 
@@ -27,14 +29,25 @@ def parse_reward(out: object) -> tuple[float, dict[str, float]]:
             raise ValueError("verifier returned an empty mapping of reward components")
         parts: dict[str, float] = {}
         for name, value in out.items():
-            if isinstance(value, bool) or not isinstance(value, (int, float)):
+            if not is_real(value):
                 raise ValueError(f"reward component {name!r} is {value!r}, not a number")
-            if not math.isfinite(value):
-                raise ValueError(f"reward component {name!r} is {value!r}, not finite")
+            if not math.isfinite(_float(value)):
+                raise ValueError(f"reward component {name!r} is {value!r:.60}, not finite")
             parts[str(name)] = float(value)
-        return float(sum(parts.values())), parts
-    if isinstance(out, bool) or not isinstance(out, (int, float)):
+        total = float(sum(parts.values()))
+        if not math.isfinite(total):
+            raise ValueError(f"reward components sum to {total}, not a finite number")
+        return total, parts
+    if not is_real(out):
         raise ValueError(f"verifier returned {out!r}; expected a number or a mapping of numbers")
-    if not math.isfinite(out):
-        raise ValueError(f"verifier returned {out!r}, not a finite number")
+    if not math.isfinite(_float(out)):
+        raise ValueError(f"verifier returned {out!r:.60}, not a finite number")
     return float(out), {}
+
+
+def _float(value: object) -> float:
+    """A real number as a float; one too large for a float (a huge int) is infinite."""
+    try:
+        return float(value)  # type: ignore[arg-type]
+    except (OverflowError, ValueError):
+        return math.inf

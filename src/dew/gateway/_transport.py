@@ -36,6 +36,7 @@ import httpx
 
 __all__ = ["LoopbackTransport"]
 
+_FINISH_WAIT = 0.5  # seconds a stream's unread end may take to arrive at close
 _CHUNK = 1 << 16
 
 
@@ -119,7 +120,8 @@ class _Exchange(httpx.SyncByteStream):
             return
         if not self.answer.complete:
             # A reader that stops at the last event of a stream (the openai client stops
-            # at "[DONE]") leaves the body's end unread, usually already in the socket.
+            # at "[DONE]") leaves the body's end unread: in the socket already, or just
+            # behind it (a busy server writes it a moment later).
             self._finish_from(sock)
         if self.answer.complete and self.answer.keep_alive:
             self.transport._release(sock)
@@ -127,9 +129,13 @@ class _Exchange(httpx.SyncByteStream):
             sock.close()
 
     def _finish_from(self, sock: socket.socket) -> None:
-        """Parse what has already arrived, without waiting for more."""
+        """Parse the rest of the answer if it arrives within ``_FINISH_WAIT`` seconds (a
+        reader that left a long answer early does not wait longer than that)."""
+        deadline = time.monotonic() + _FINISH_WAIT
         try:
-            while not self.answer.complete and not _quiet(sock):
+            while not self.answer.complete:
+                if _quiet(sock, max(0.0, deadline - time.monotonic())):
+                    return  # nothing more in time: the caller closes it
                 data = sock.recv(_CHUNK)  # something is there: this returns at once
                 if not data:
                     return  # closed by the server
@@ -138,14 +144,14 @@ class _Exchange(httpx.SyncByteStream):
             return
 
 
-def _quiet(sock: socket.socket) -> bool:
-    """Whether an idle connection has nothing to read: not closed by the server, and
-    no bytes that no request asked for. Asked with poll, which has no descriptor limit
-    and leaves the socket's timeout mode alone (a peeking recv on a socket with a timeout
-    read b"" from an open connection here)."""
+def _quiet(sock: socket.socket, within: float = 0.0) -> bool:
+    """Whether a connection has nothing to read (waiting up to ``within`` seconds): not
+    closed by the server, and no bytes that no request asked for. Asked with poll, which
+    has no descriptor limit and leaves the socket's timeout mode alone (a peeking recv on
+    a socket with a timeout read b"" from an open connection here)."""
     poller = select.poll()
     poller.register(sock, select.POLLIN | select.POLLPRI)
-    return not poller.poll(0)
+    return not poller.poll(int(within * 1000))
 
 
 class LoopbackTransport(httpx.BaseTransport):

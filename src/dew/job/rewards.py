@@ -25,6 +25,7 @@ import importlib
 import importlib.util
 import inspect
 import math
+import numbers
 import re
 import sys
 from collections.abc import Callable, Mapping, Sequence
@@ -122,16 +123,28 @@ def _score(
         else:
             value = reward.fn(task, completion, call)
             if isinstance(value, Mapping):
-                value = sum(float(v) for v in value.values())
+                value = sum(_finite(reward, v) for v in value.values())
     except RewardError as exc:
         raise RewardError(f"reward {reward.name}: {exc}") from None
     except Exception as exc:
         raise RewardError(f"reward {reward.name} raised {type(exc).__name__}: {exc}") from exc
     if value is None:
         return None
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+    return _finite(reward, value)
+
+
+def _finite(reward: Reward, value: Any) -> float:
+    """``value`` as a float, when it is a finite real number (numpy's scalars count, as
+    in TRL; a bool does not); else an error naming the reward."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise RewardError(f"reward {reward.name} returned {value!r}, not a finite number")
-    return float(value)
+    try:
+        number = float(value)
+    except (OverflowError, ValueError):  # an int too large for a float
+        number = math.inf
+    if not math.isfinite(number):
+        raise RewardError(f"reward {reward.name} returned {value!r:.60}, not a finite number")
+    return number
 
 
 # --------------------------------------------------------------------------- built-ins

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from dew import _runlock
 from dew._net import API_KEY_ENV
 from dew.job.config import ConfigError, JobConfig
 from dew.job.data import Rows, load_rows
@@ -107,13 +108,18 @@ def train(prepared: Prepared, *, resume: bool = False, progress: bool = True) ->
     """
     config = prepared.config
     run = Path(config.output.run_dir)
-    if (run / "checkpoints").exists() and not resume:
-        raise ConfigError(f"output.run_dir: {run} already holds a run; add --resume")
     fresh = not run.exists()
     try:
         with ExitStack() as stack:
             pool = _join_pool(config, stack)
             rank = 0 if pool is None else pool.rank
+            if rank == 0:
+                try:  # before the first file: a second trainer never writes here
+                    stack.enter_context(_runlock.hold(run))
+                except _runlock.RunInUse as exc:
+                    raise ConfigError(f"output.run_dir: {exc}") from None
+            if (run / "checkpoints").exists() and not resume:
+                raise ConfigError(f"output.run_dir: {run} already holds a run; add --resume")
             if rank == 0:
                 run.mkdir(parents=True, exist_ok=True)
                 (run / "config.toml").write_text(config.to_toml())

@@ -57,8 +57,18 @@ class Care:
         raise NotImplementedError
 
     def _recheck(self, member: Member, gen: int, engine: LoopEngine, error: str) -> None:
-        if not self._stopping.is_set() and not engine.health():
+        """A request failed on ``member``: out if ``/health`` fails too, else trusted
+        with new calls again. A launched member whose process is gone is out at once."""
+        if self._stopping.is_set():
+            return
+        if member.local is not None and not member.local.alive():
+            self._take_out(member, gen, f"a request failed ({error}): the process is gone")
+        elif not engine.health():
             self._take_out(member, gen, f"a request failed ({error}) and so did /health")
+        else:
+            with self._lock:
+                if member.gen == gen:
+                    member.suspect = False
 
     def _bring_up(self, member: Member, gen: int) -> bool:
         """Push the newest weights to an out member and rejoin it; False if it could

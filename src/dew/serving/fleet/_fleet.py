@@ -153,6 +153,9 @@ class EngineFleet(Care, Engine):
         self._closed = False
         self._publishing = False  # a push is under way: new calls wait for its end
         self._affinity: OrderedDict[Hashable, Member] = OrderedDict()
+        # The member a call of this affinity last failed on: its resubmission goes
+        # elsewhere while any other member is up, so one crash costs it one attempt.
+        self._failed_on: OrderedDict[Hashable, Member] = OrderedDict()
         self._waiting: deque[FleetCall] = deque()
         self._files: list[tuple[int, Path]] = []  # (version, path), oldest first
         self._own_dir = weights_dir is None or _own_dir
@@ -339,14 +342,18 @@ class EngineFleet(Care, Engine):
         in router mode the router, while any worker is up."""
         if self._front is not None:
             return self._front if any(m.state == UP for m in self._members) else None
-        if affinity is not None:
-            member = self._affinity.get(affinity)
-            if member is not None and member.state == UP:
-                self._affinity.move_to_end(affinity)
-                return member
+        failed = None if affinity is None else self._failed_on.get(affinity)
         up = [m for m in self._members if m.state == UP]
+        # Neither a suspect nor the one this affinity failed on, while another will do.
+        fit = [m for m in up if not m.suspect and m is not failed]
+        up = fit or [m for m in up if m is not failed] or up
         if not up:
             return None
+        if affinity is not None:
+            member = self._affinity.get(affinity)
+            if member is not None and member in up:
+                self._affinity.move_to_end(affinity)
+                return member
         member = min(up, key=lambda m: (len(m.calls), m.dispatched))
         if affinity is not None:
             self._affinity[affinity] = member
@@ -405,9 +412,16 @@ class EngineFleet(Care, Engine):
         if isinstance(error, RuntimeError):  # the member, not the fleet, was closed
             error = EngineError(f"{member.engine.url}: {error}")
         if isinstance(error, EngineError) and member is not self._front:  # out if a health
-            # check confirms it (the router's errors are its workers': their checks decide)
+            # check confirms it (the router's errors are its workers': their checks decide);
+            # meanwhile no new call goes there, least of all this call's resubmission
             with self._lock:
                 gen, engine = member.gen, member.engine
+                member.suspect = True
+                if call.affinity is not None:
+                    self._failed_on[call.affinity] = member
+                    self._failed_on.move_to_end(call.affinity)
+                    while len(self._failed_on) > self._affinity_size:
+                        self._failed_on.popitem(last=False)
             with contextlib.suppress(RuntimeError):  # the pool is shut: closing
                 self._pool.submit(self._recheck, member, gen, engine, str(error))
         settle(call.outer, inner.result() if error is None else error)
@@ -458,7 +472,7 @@ class EngineFleet(Care, Engine):
             with self._lock:
                 if member.gen != gen or self._closed:
                     return False
-                member.state, member.reason = UP, ""
+                member.state, member.reason, member.suspect = UP, "", False
                 member.confirmed = member.pushed = version
                 member.failures, member.backoff = 0, 0.5
         log.warning("fleet: %s in rotation at version %d", member.engine.url, version)
@@ -477,37 +491,70 @@ class EngineFleet(Care, Engine):
 
     def load(self, variables: Any, version: int) -> None:
         """Serve ``variables`` as ``version`` on every member in rotation (see the
-        module docstring); raises ``EngineError`` when no member takes them."""
+        module docstring). When no member takes them (all of them down, say), the push
+        waits for members to come back (a launched one is restarted and brought to the
+        fleet's version first) and is tried again, for ``timeout`` seconds in all; then
+        ``EngineError``."""
         from dew.serving.weights import write_weights
 
         version = as_int(version, "version")
         deadline = time.monotonic() + self._timeout
+        path: Path | None = None
+        why = ""
+        try:
+            while True:
+                self._await_member(deadline, why)
+                with self._publish_lock:
+                    if self._closed:
+                        raise RuntimeError("EngineFleet is closed")
+                    if version < self._version:
+                        raise ValueError(
+                            f"version {version} is older than the fleet's {self._version}"
+                        )
+                    if path is None:
+                        path = write_weights(variables, self._dir, version)
+                    with self._lock:
+                        targets = [(m, m.gen) for m in self._members if m.state == UP]
+                        # A call finishing at the new version before load returns would be
+                        # "from the future" to the trainer: new calls wait for the push.
+                        self._publishing = True
+                    try:
+                        why, refused = self._push(path, version, targets)
+                    finally:
+                        with self._lock:
+                            self._publishing = False
+                        self._drain()
+                    if not why:
+                        path = None  # the fleet's now
+                        return
+                if refused or time.monotonic() > deadline:  # refused: no retry takes them
+                    raise EngineError(
+                        f"no engine of the fleet took weights v{version} within "
+                        f"{self._timeout:g}s: {why}"
+                    )
+        finally:
+            if path is not None and not any(v == version for v, _ in self._files):
+                path.unlink(missing_ok=True)
+
+    def _await_member(self, deadline: float, why: str) -> None:
+        """Return once a member is in rotation; EngineError past ``deadline``."""
         while not self._closed and not any(m.state == UP for m in self._members):
             if time.monotonic() > deadline:  # e.g. a fleet of one, restarting
-                raise EngineError(f"no engine of the fleet in rotation for {self._timeout:g}s")
+                last = f" (last: {why})" if why else ""
+                raise EngineError(
+                    f"no engine of the fleet in rotation for {self._timeout:g}s{last}"
+                )
             self._stopping.wait(0.05)
-        with self._publish_lock:
-            if self._closed:
-                raise RuntimeError("EngineFleet is closed")
-            if version < self._version:
-                raise ValueError(f"version {version} is older than the fleet's {self._version}")
-            path = write_weights(variables, self._dir, version)
-            with self._lock:
-                targets = [(m, m.gen) for m in self._members if m.state == UP]
-                # A call finishing at the new version before load returns would be
-                # "from the future" to the trainer: new calls wait for the push's end.
-                self._publishing = True
-            try:
-                self._push(path, version, targets)
-            finally:
-                with self._lock:
-                    self._publishing = False
-                self._drain()
 
-    def _push(self, path: Path, version: int, targets: list[tuple[Member, int]]) -> None:
-        """Push ``path`` to ``targets``; take out who fails (publish lock held)."""
+    def _push(
+        self, path: Path, version: int, targets: list[tuple[Member, int]]
+    ) -> tuple[str, bool]:
+        """Push ``path`` to ``targets`` and take out who fails (publish lock held).
+        Returns why none took it ("" once one did), and whether every member that
+        answered refused the weights themselves (so that no retry could help)."""
         pushes = {m: self._pool.submit(m.engine.load_file, path, version) for m, _ in targets}
         failed: dict[Member, str] = {}
+        refusals = 0
         pending = dict(pushes)
         while pending:  # until each push answers or its member was taken out
             wait_futures(list(pending.values()), timeout=0.05)
@@ -519,6 +566,7 @@ class EngineFleet(Care, Engine):
                     del pending[m]
                     if push.exception() is not None:
                         failed[m] = f"weights v{version} not taken: {push.exception()}"
+                        refusals += isinstance(push.exception(), ValueError)
                 elif m.gen != gen:
                     del pending[m]
                     failed[m] = f"taken out during the push of v{version}"
@@ -533,14 +581,13 @@ class EngineFleet(Care, Engine):
             if took:
                 self._version = version
         if not took:
-            if not any(v == version for v, _ in self._files):
-                path.unlink(missing_ok=True)
-            reasons = "; ".join(f"{m.engine.url}: {r}" for m, r in failed.items())
-            raise EngineError(f"no engine of the fleet took weights v{version}: {reasons}")
+            why = "; ".join(f"{m.engine.url}: {r}" for m, r in failed.items())
+            return why or "none in rotation", 0 < refusals == len(failed)
         self._files = [(v, p) for v, p in self._files if v != version] + [(version, path)]
         for _, old in self._files[:-2]:
             old.unlink(missing_ok=True)
         self._files = self._files[-2:]
+        return "", False
 
     # ------------------------------------------------------------------ threads
 

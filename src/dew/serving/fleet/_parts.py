@@ -188,6 +188,9 @@ class Member:
     gen: int = 0  # bumped on every take-out and restart: fences stale work
     retry_at: float = 0.0  # monotonic time of the next bring-up or restart attempt
     backoff: float = 0.5
+    # A request failed on it: no new call goes to it while another member is up, until
+    # a health check clears it (or takes it out).
+    suspect: bool = False
 
 
 @dataclass(eq=False)
