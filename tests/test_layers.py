@@ -25,7 +25,11 @@ RULES: dict[str, tuple[str, ...]] = {
     "dew.core": (),
     # dew._attention: the attention-mask plumbing the engine and the trainer's packed
     # forward share; a floor-1 utility that imports nothing of dew either.
-    "dew.serving": ("dew.core", "dew._attention"),
+    # dew._watchdog ends a launched server whose trainer died; dew._runlock holds a
+    # folder for one process: floor-1 utilities that import nothing of dew either.
+    "dew.serving": ("dew.core", "dew._attention", "dew._watchdog", "dew._runlock"),
+    "dew._watchdog": (),
+    "dew._runlock": (),
     "dew._attention": (),
     # dew._net: binding a listening socket, for the HTTP servers of both layers.
     "dew._net": (),

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import signal
 import subprocess
 import sys
@@ -34,13 +33,13 @@ def test_a_second_process_is_refused_until_the_first_is_killed(tmp_path: Path) -
     run = tmp_path / "run"
     proc = _holder(run)
     try:
-        with pytest.raises(RunInUse, match=f"in use by another process \\(pid {proc.pid}\\)"):
+        with pytest.raises(RunInUse, match="in use by another process"):
             with hold(run):
                 pass
         proc.send_signal(signal.SIGKILL)  # no cleanup runs: the kernel drops the lock
         proc.wait(timeout=30)
         with hold(run):
-            assert (run / ".lock").read_text() == f"{os.getpid()}\n"
+            assert list(run.iterdir()) == []  # the lock adds nothing to the folder
     finally:
         if proc.poll() is None:
             proc.kill()

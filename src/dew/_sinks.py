@@ -79,10 +79,10 @@ class _TensorBoard:
 def tensorboard_sink(folder: Path, *, resumed_at: int = 0) -> Sink | None:
     """A TensorBoard writer into ``folder``, or None when ``tensorboard`` is not installed.
 
-    ``resumed_at``: the updates of the checkpoint a resumed run starts from. The events
-    an earlier process wrote for later steps (trained again now) are then purged, so
-    TensorBoard shows every step once.
+    ``resumed_at``: the updates of the checkpoint a run starts from (0: none). The
+    events an earlier process wrote for later steps (trained again now, as after a kill
+    before the first checkpoint) are then purged, so TensorBoard shows every step once.
     """
     if importlib.util.find_spec("tensorboard") is None:
         return None
-    return _TensorBoard(folder, resumed_at + 1 if resumed_at else None)
+    return _TensorBoard(folder, resumed_at + 1)

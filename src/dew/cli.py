@@ -10,8 +10,11 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
-from collections.abc import Callable, Sequence
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 
 __all__ = ["main", "parser"]
 
@@ -159,10 +162,31 @@ def main(argv: Sequence[str] | None = None) -> int:
     if argv[:1] == ["train"]:
         from dew.job.cli import main as train_main
 
-        return train_main(argv[1:])
+        with _terminate_as_interrupt():
+            return train_main(argv[1:])
     args = parser().parse_args(argv)
     run: Callable[[argparse.Namespace], int] = args.run
-    return run(args)
+    with _terminate_as_interrupt():
+        return run(args)
+
+
+@contextmanager
+def _terminate_as_interrupt() -> Iterator[None]:
+    """SIGTERM (what a cluster scheduler sends) ends a run as Ctrl-C does: the engines
+    it launched are stopped and its weights folder removed on the way out."""
+
+    def interrupt(sig: int, frame: object) -> None:
+        del sig, frame
+        raise KeyboardInterrupt("SIGTERM")
+
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGTERM, interrupt)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 if __name__ == "__main__":

@@ -32,6 +32,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args, overrides = parser().parse_known_args(argv)
     from dew.job.config import ConfigError, load_config
 
+    config = None
     try:
         config = load_config(args.config, overrides)
         if args.print_config:
@@ -44,6 +45,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"dew train: error: {exc}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # Ctrl-C, or SIGTERM (dew.cli): engines stopped on the way
+        where = "" if config is None else f" ({config.output.run_dir})"
+        print(
+            f"dew train: interrupted; continue from the last checkpoint with --resume{where}",
+            file=sys.stderr,
+        )
+        return 130
     print(f"dew train: done; exported to {config.output.run_dir}/export", file=sys.stderr)
     return 0
 

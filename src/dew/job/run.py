@@ -19,6 +19,7 @@ import copy
 import json
 import math
 import shutil
+import sys
 from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
@@ -118,7 +119,7 @@ def train(prepared: Prepared, *, resume: bool = False, progress: bool = True) ->
                     stack.enter_context(_runlock.hold(run))
                 except _runlock.RunInUse as exc:
                     raise ConfigError(f"output.run_dir: {exc}") from None
-            if (run / "checkpoints").exists() and not resume:
+            if _holds_a_run(run) and not resume:
                 raise ConfigError(f"output.run_dir: {run} already holds a run; add --resume")
             if rank == 0:
                 run.mkdir(parents=True, exist_ok=True)
@@ -131,6 +132,34 @@ def train(prepared: Prepared, *, resume: bool = False, progress: bool = True) ->
         if fresh:  # refused before it trained: a folder this call made leaves with it
             shutil.rmtree(run, ignore_errors=True)
         raise
+
+
+def _resume_from(run: Path, resume: bool, rank: int) -> Path | bool:
+    """What ``fit`` resumes from: the run folder (whose checkpoints it must verify), or
+    nothing when the run was killed before any checkpoint was whole (from step 0)."""
+    from dew import _checkpoint
+
+    if not resume:
+        return False
+    if _checkpoint.checkpoints(run / "checkpoints"):
+        return run
+    if rank == 0:
+        print(
+            f"dew train: {run} holds no complete checkpoint yet: starting from step 0",
+            file=sys.stderr,
+            flush=True,
+        )
+    return False
+
+
+def _holds_a_run(run: Path) -> bool:
+    """Whether ``run`` has trained: a checkpoint, or a record (a run killed before its
+    first checkpoint was whole, which ``--resume`` starts again from step 0)."""
+    records = run / "records.jsonl"
+    saved = run / "checkpoints"
+    return (records.is_file() and records.stat().st_size > 0) or (
+        saved.is_dir() and any(saved.iterdir())
+    )
 
 
 def _join_pool(config: JobConfig, stack: ExitStack) -> Any:
@@ -280,7 +309,7 @@ def _train(
         run_dir=run,
         checkpoint_every=config.output.checkpoint_every,
         keep=config.output.keep,
-        resume=run if resume else False,  # a resume must find a checkpoint
+        resume=_resume_from(run, resume, rank),
         log=log,
         max_grad_norm=config.training.max_grad_norm,
         micro_batches=config.training.micro_batches,

@@ -51,8 +51,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import shutil
-import tempfile
 import threading
 import uuid
 from collections.abc import Coroutine, Hashable, Mapping, Sequence
@@ -65,7 +63,7 @@ from dew.core import Aborted, Call, Engine, EngineError, SamplingParams
 from dew.core._checks import as_int
 from dew.serving._http_client import Broken, NotConnected, Pool, TimedOut
 from dew.serving._requests import Request, make_request
-from dew.serving.weights import weights_root
+from dew.serving.weights import private_folder, release_folder
 
 __all__ = ["LoopEngine", "Pending"]
 
@@ -314,7 +312,7 @@ class LoopEngine(Engine):
             done.result()
             self._thread.join()
         if self._own_dir is not None:
-            shutil.rmtree(self._own_dir, ignore_errors=True)
+            release_folder(self._own_dir)
 
     def __enter__(self) -> LoopEngine:
         return self
@@ -350,7 +348,7 @@ class LoopEngine(Engine):
             return self._weights_dir
         with self._lock:
             if self._own_dir is None:  # where a server on this machine reads by default
-                self._own_dir = Path(tempfile.mkdtemp(prefix="run-", dir=weights_root()))
+                self._own_dir = private_folder("run-")
             return self._own_dir
 
     def _set_version(self, value: object, *, exact: bool) -> None:

@@ -32,6 +32,7 @@ import datetime
 import hashlib
 import json
 import os
+import shutil
 import stat
 import struct
 import tempfile
@@ -53,8 +54,10 @@ __all__ = [
     "checksum",
     "join_group",
     "open_weights",
+    "private_folder",
     "read_weights",
     "receive_tensors",
+    "release_folder",
     "tensor_specs",
     "weights_path",
     "weights_root",
@@ -231,6 +234,68 @@ def weights_root() -> Path:
     if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.getuid():
         raise WeightsError(f"{root} is not a folder of this user's: name a weights folder")
     return root
+
+
+# A private folder's lock file is swept only once older than this: its writer takes the
+# lock within microseconds of making the file.
+_SWEEP_AGE = 5.0
+_private: dict[Path, tuple[Path, int]] = {}  # folder -> (its lock file, the held descriptor)
+
+
+def private_folder(prefix: str) -> Path:
+    """A new folder in :func:`weights_root` for one writer, held (an ``flock`` on
+    ``NAME.lock`` beside it) until :func:`release_folder`. Folders whose writers died
+    without releasing them (a SIGKILL runs no cleanup) are removed first."""
+    import secrets
+
+    from dew import _runlock
+
+    root = weights_root()
+    _sweep(root)
+    while True:
+        name = f"{prefix}{secrets.token_hex(6)}"
+        lock = root / f"{name}.lock"
+        try:
+            os.close(os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600))
+        except FileExistsError:
+            continue
+        break
+    fd = _runlock.lock_file(lock)
+    folder = root / name
+    folder.mkdir(mode=0o700)
+    _private[folder] = (lock, fd)
+    return folder
+
+
+def release_folder(folder: Path) -> None:
+    """Remove ``folder`` and, if :func:`private_folder` made it, its lock."""
+    shutil.rmtree(folder, ignore_errors=True)
+    held = _private.pop(folder, None)
+    if held is not None:
+        lock, fd = held
+        lock.unlink(missing_ok=True)
+        os.close(fd)
+
+
+def _sweep(root: Path) -> None:
+    """Remove the private folders of ``root`` whose writers are gone."""
+    from dew import _runlock
+
+    now = time.time()
+    for lock in root.glob("*.lock"):
+        try:
+            if now - lock.stat().st_mtime < _SWEEP_AGE:
+                continue
+        except FileNotFoundError:
+            continue
+        fd = _runlock.try_lock_file(lock)
+        if fd is None:  # its writer lives (or another sweep took it)
+            continue
+        try:
+            shutil.rmtree(root / lock.name.removesuffix(".lock"), ignore_errors=True)
+            lock.unlink(missing_ok=True)
+        finally:
+            os.close(fd)
 
 
 def open_weights(

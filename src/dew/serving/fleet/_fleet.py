@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import shutil
-import tempfile
 import threading
 import time
 from collections import OrderedDict, deque
@@ -37,7 +35,7 @@ from dew.serving.fleet._parts import (
 )
 from dew.serving.fleet._router import RouterAdmin, RouterProcess
 from dew.serving.http_engine import HTTPEngine
-from dew.serving.weights import weights_root
+from dew.serving.weights import private_folder, release_folder
 
 log = logging.getLogger("dew.serving.fleet")
 
@@ -159,11 +157,7 @@ class EngineFleet(Care, Engine):
         self._waiting: deque[FleetCall] = deque()
         self._files: list[tuple[int, Path]] = []  # (version, path), oldest first
         self._own_dir = weights_dir is None or _own_dir
-        self._dir = (
-            Path(tempfile.mkdtemp(prefix="fleet-", dir=weights_root()))
-            if weights_dir is None
-            else Path(weights_dir)
-        )
+        self._dir = private_folder("fleet-") if weights_dir is None else Path(weights_dir)
         workers = 4 * len(members) + 4
         self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="fleet")
         self._stopping = threading.Event()
@@ -211,8 +205,7 @@ class EngineFleet(Care, Engine):
         if engine not in ENGINES:
             raise ValueError(f"engine={engine!r} is not one of {sorted(ENGINES)}")
         if kwargs.get("weights_dir") is None:  # the servers are told it: made first
-            kwargs.update(weights_dir=tempfile.mkdtemp(prefix="fleet-", dir=weights_root()))
-            kwargs.update(_own_dir=True)
+            kwargs.update(weights_dir=private_folder("fleet-"), _own_dir=True)
         locals_ = local_processes(
             engine, count, demo=demo, model=model, seed=seed, args=args, env=env,
             python=python, router=router, weights_dir=kwargs.get("weights_dir"),
@@ -244,7 +237,7 @@ class EngineFleet(Care, Engine):
             for p in locals_:
                 p.stop(5.0)
             if kwargs.get("_own_dir"):
-                shutil.rmtree(kwargs["weights_dir"], ignore_errors=True)
+                release_folder(Path(kwargs["weights_dir"]))
             raise
 
     # ------------------------------------------------------------------ properties
@@ -628,7 +621,7 @@ class EngineFleet(Care, Engine):
                 m.state = CLOSED
         self._pool.shutdown(wait=True)
         if self._own_dir:
-            shutil.rmtree(self._dir, ignore_errors=True)
+            release_folder(self._dir)
 
     def __enter__(self) -> EngineFleet:
         return self

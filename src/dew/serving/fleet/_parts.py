@@ -17,6 +17,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import IO, Any, Protocol
 
+from dew._watchdog import unwatch, watch
 from dew.core import Call, EngineError, SamplingParams
 from dew.serving._http_base import LoopEngine
 
@@ -110,6 +111,7 @@ class Local:
         self.env = env
         self.proc: subprocess.Popen[bytes] | None = None
         self.stderr: IO[bytes] | None = None
+        self.dog: subprocess.Popen[bytes] | None = None  # ends it if this process dies
 
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
@@ -120,6 +122,8 @@ class Local:
         self.proc = subprocess.Popen(
             self.argv, stdout=subprocess.PIPE, stderr=self.stderr, env=self.env
         )
+        unwatch(self.dog)
+        self.dog = watch(self.proc.pid, group=False)
         assert self.proc.stdout is not None
         buffer = b""
         with selectors.DefaultSelector() as sel:
@@ -153,6 +157,8 @@ class Local:
             terminate(proc, grace)
             if proc.stdout is not None:
                 proc.stdout.close()
+        unwatch(self.dog)
+        self.dog = None
         if self.stderr is not None:
             self.stderr.close()
 

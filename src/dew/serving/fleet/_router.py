@@ -26,6 +26,7 @@ from typing import IO, Any
 
 import httpx
 
+from dew._watchdog import unwatch, watch
 from dew.core import EngineError
 from dew.serving.fleet._parts import terminate
 
@@ -98,6 +99,7 @@ class RouterProcess:
         self.proc: subprocess.Popen[bytes] | None = None
         self.url = ""
         self._log: IO[bytes] | None = None
+        self._dog: subprocess.Popen[bytes] | None = None  # ends it if this process dies
 
     def start(self, deadline: float) -> str:
         """Start it on a free port; return its URL once every worker is listed healthy.
@@ -114,6 +116,8 @@ class RouterProcess:
             argv += ["--worker-urls", *self.workers, "--log-level", "warn"]
             argv += ["--shutdown-grace-period-secs", "5", *self.args]
             self.proc = subprocess.Popen(argv, stdout=self._log, stderr=subprocess.STDOUT)
+            unwatch(self._dog)
+            self._dog = watch(self.proc.pid, group=False)
             self.url = f"http://127.0.0.1:{port}"
             admin = RouterAdmin(self.url, api_key=None, timeout=5.0)
             try:
@@ -144,6 +148,8 @@ class RouterProcess:
         """SIGTERM, then SIGKILL after ``grace`` seconds; only this pid."""
         if self.proc is not None:
             terminate(self.proc, grace)
+        unwatch(self._dog)
+        self._dog = None
         if self._log is not None:
             self._log.close()
 

@@ -32,6 +32,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import IO
 
+from dew._watchdog import unwatch, watch
 from dew.core import EngineError
 from dew.serving.vllm._engine import free_port, server_args
 from dew.serving.vllm.extension import WEIGHTS_DIR_ENV
@@ -78,6 +79,7 @@ class VLLMProcess:
         self.weights_dir = str(Path(weights_dir).resolve())
         self.proc: subprocess.Popen[bytes] | None = None
         self.log: IO[bytes] | None = None
+        self.dog: subprocess.Popen[bytes] | None = None  # ends it if this process dies
         self._path_dir: str | None = None
 
     def alive(self) -> bool:
@@ -104,6 +106,8 @@ class VLLMProcess:
             env=environ,
             start_new_session=True,
         )
+        unwatch(self.dog)
+        self.dog = watch(self.proc.pid, group=True)  # vLLM's engine processes too
         url = f"http://127.0.0.1:{port}"
         end = time.monotonic() + deadline
         while not _healthy(url):
@@ -130,6 +134,8 @@ class VLLMProcess:
         proc = self.proc
         if proc is not None:
             _stop_group(proc, grace)
+        unwatch(self.dog)
+        self.dog = None
         if self.log is not None:
             self.log.close()
         if self._path_dir is not None:
