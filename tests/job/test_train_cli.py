@@ -122,7 +122,7 @@ def test_dew_train_exports_a_model_transformers_loads(tmp_path: Path, model_dir:
         "3": "messages must be a non-empty list"
     }
     assert (run / "config.toml").read_text().startswith("[model]")
-    assert (run / "export" / "step-2" / "config.json").is_file()  # export_every = 2
+    assert (run / "exports" / "step-2" / "config.json").is_file()  # export_every = 2
 
     start = AutoModelForCausalLM.from_pretrained(model_dir)
     trained = AutoModelForCausalLM.from_pretrained(run / "export")
@@ -158,21 +158,22 @@ def test_dew_train_exports_a_model_transformers_loads(tmp_path: Path, model_dir:
     assert more.returncode == 0, more.stderr[-3000:]
     records = [json.loads(line) for line in (run / "records.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == [1, 2, 3, 4, 5]
-    # W&B (offline): one run id across the resume, every step logged once, as recorded.
-    logged = wandb_history(run)
+    # W&B (offline): the resumed run's own W&B run holds every step once, as recorded.
+    logged = wandb_history(run, (run / "wandb_id").read_text())
     assert [h["_step"] for h in logged] == [1, 2, 3, 4, 5]
     assert [h["loss"] for h in logged] == pytest.approx([r["loss"] for r in records])
-    assert len({p.name.rsplit("-", 1)[1] for p in (run / "wandb").glob("offline-run-*")}) == 1
+    assert len({p.name.rsplit("-", 1)[1] for p in (run / "wandb").glob("offline-run-*")}) == 2
 
 
-def wandb_history(run: Path) -> list[dict[str, Any]]:
-    """The history rows of a run folder's offline W&B runs, oldest first. The ``.wandb``
-    file is a LevelDB-style log (32 KiB blocks; records of a 4-byte checksum, a 2-byte
-    length, a 1-byte type; after a 7-byte ``:W&B`` header) of protobuf ``Record``s."""
+def wandb_history(run: Path, run_id: str = "*") -> list[dict[str, Any]]:
+    """The history rows of a run folder's offline W&B runs (of ``run_id``), oldest first.
+    The ``.wandb`` file is a LevelDB-style log (32 KiB blocks; records of a 4-byte
+    checksum, a 2-byte length, a 1-byte type; after a 7-byte ``:W&B`` header) of
+    protobuf ``Record``s."""
     from wandb.proto import wandb_internal_pb2 as pb2
 
     rows = []
-    for path in sorted((run / "wandb").glob("offline-run-*/run-*.wandb")):
+    for path in sorted((run / "wandb").glob(f"offline-run-*-{run_id}/run-*.wandb")):
         data = path.read_bytes()
         assert data[:4] == b":W&B"
         pos, chunks = 7, b""
@@ -321,7 +322,7 @@ def _torchrun_train(tmp_path: Path, model_dir: Path, n: int, tensor: int) -> Non
     trained = AutoModelForCausalLM.from_pretrained(run / "export").state_dict()
     changed = [n for n, p in trained.items() if not torch.equal(p, start[n])]
     assert len(changed) > len(start) // 2, changed
-    assert (run / "export" / "step-2" / "config.json").is_file()
+    assert (run / "exports" / "step-2" / "config.json").is_file()
     evals = [json.loads(line) for line in (run / "eval.jsonl").read_text().splitlines()]
     assert [e["step"] for e in evals] == [2, 3]
     more = dew_train_torchrun(n, str(path), "--resume", "--training.steps", "4")
@@ -518,3 +519,128 @@ def test_chaos_a_run_killed_before_its_first_whole_checkpoint_resumes_from_step_
     assert "no complete checkpoint yet: starting from step 0" in done.stderr
     steps = [json.loads(line)["step"] for line in (run / "records.jsonl").read_text().splitlines()]
     assert steps == [1, 2, 3, 4]
+
+
+EXPORTER = """
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import torch
+
+from dew.demo.model import make_model, make_tokenizer
+from dew.job.run import export
+
+folder, config = Path(sys.argv[1]), SimpleNamespace(model=SimpleNamespace(lora_rank=0))
+tokenizer = make_tokenizer()
+for i in range(1000):
+    model = make_model("qwen2", "tiny", seed=i)
+    export(model, tokenizer, folder, config)
+    print("done", i, flush=True)
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_chaos_an_export_killed_inside_leaves_the_previous_whole_one(tmp_path: Path) -> None:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from dew.demo.model import make_model
+
+    folder = tmp_path / "export"
+    partial = tmp_path / ".tmp-export"
+    proc = subprocess.Popen(
+        [sys.executable, "-c", EXPORTER, str(folder)], stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert proc.stdout is not None and proc.stdout.readline() == "done 0\n"
+        # Killed inside the next export: its weights written, its tokenizer maybe not.
+        deadline = time.monotonic() + 120
+        while not (partial / "model.safetensors").is_file():
+            assert proc.poll() is None and time.monotonic() < deadline
+            time.sleep(0.001)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        if proc.stdout is not None:
+            proc.stdout.close()
+    # export/ is the first export, whole: transformers loads it, with its tokenizer.
+    loaded = AutoModelForCausalLM.from_pretrained(folder)
+    AutoTokenizer.from_pretrained(folder)
+    first = make_model("qwen2", "tiny", seed=0).state_dict()
+    for name, tensor in loaded.state_dict().items():
+        assert torch.equal(tensor, first[name]), name
+
+
+@pytest.mark.parametrize(
+    ("case", "message"),
+    [
+        ("non-utf8", r"data.path: .*copy-chat.jsonl is not UTF-8 text \(row 0: byte 0xff"),
+        ("empty", r"data.path: .*copy-chat.jsonl is empty$"),
+        ("few rows", r"training.tasks: 8 tasks a step, but data.path has 3 usable rows"),
+        ("run_dir a file", r"output.run_dir: .*run is a file, not a run folder"),
+    ],
+)
+def test_data_and_folder_mistakes_are_one_line_exit_2_and_leave_nothing(
+    tmp_path: Path,
+    model_dir: Path,
+    capsys: pytest.CaptureFixture[str],
+    case: str,
+    message: str,
+) -> None:
+    import re
+
+    path = config(tmp_path, model_dir)
+    data = tmp_path / "copy-chat.jsonl"
+    extra: list[str] = []
+    if case == "non-utf8":
+        data.write_bytes(b'{"messages": [{"role": "user", "content": "\xff"}], "answer": "1"}\n')
+    elif case == "empty":
+        data.write_bytes(b"")
+    elif case == "few rows":
+        extra = ["--training.tasks", "8"]
+    else:
+        (tmp_path / "run").write_text("not a folder")
+    before = sorted(p.name for p in tmp_path.iterdir())
+    assert main([str(path), "--no-progress", *extra]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and re.search(message, err[0]), err
+    assert sorted(p.name for p in tmp_path.iterdir()) == before  # nothing left behind
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_chaos_a_resume_after_a_kill_logs_each_step_to_wandb_once(
+    tmp_path: Path, model_dir: Path
+) -> None:
+    path = config(tmp_path, model_dir)
+    run = tmp_path / "run"
+    settings = ["--output.checkpoint_every", "2", "--training.steps", "6"]
+    argv = [sys.executable, "-m", "dew.cli", "train", str(path), "--no-progress", *settings]
+    trainer = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 200
+        # Killed once step 3 is recorded: the checkpoint of step 2 is the last whole one.
+        recorded = run / "records.jsonl"
+        while not recorded.is_file() or len(recorded.read_text().splitlines()) < 3:
+            assert trainer.poll() is None and time.monotonic() < deadline
+            time.sleep(0.005)
+        trainer.send_signal(signal.SIGKILL)
+        trainer.wait()
+    finally:
+        if trainer.poll() is None:
+            trainer.kill()
+            trainer.wait()
+    done = dew_train(str(path), "--resume", *settings)
+    assert done.returncode == 0, done.stderr[-3000:]
+    records = [json.loads(line) for line in (run / "records.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [1, 2, 3, 4, 5, 6]
+    # The newest W&B run of the folder holds every step once, as recorded; the killed
+    # one is a run of its own (same group).
+    newest = (run / "wandb_id").read_text()
+    logged = wandb_history(run, newest)
+    assert [h["_step"] for h in logged] == [1, 2, 3, 4, 5, 6]
+    assert [h["loss"] for h in logged] == pytest.approx([r["loss"] for r in records])

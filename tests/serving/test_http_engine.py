@@ -204,7 +204,8 @@ def test_abort_by_stop_event_and_by_future(engine: HTTPEngine) -> None:
     for f in (by_event, by_future, *others):
         with pytest.raises(Aborted) as info:
             f.result(timeout=WAIT)
-        assert info.value.tokens >= 0
+        # Cut short, not run to its end: the tokens it had, far from LONG's.
+        assert 0 <= info.value.tokens < LONG.max_tokens
     assert time.monotonic() - t0 < 10
     for f in (by_event, by_future):
         assert not _in_table(engine, f)  # the server's table let them go

@@ -509,6 +509,14 @@ def test_first_publish_at_the_initial_version_then_only_newer_or_the_same_weight
         refused = push(other, 0)  # other weights under the served number
         assert refused.status_code == 400 and refused.json()["error"]["param"] == "dew_version"
         assert greedy() == hf_greedy(lively("qwen2", 4), prompt, 8)  # still the first
+        # An older version, its file's own: refused by the version rule itself.
+        newer = write_weights(lively("qwen2", 6), tmp_path / "c", 3)
+        older = write_weights(lively("qwen2", 7), tmp_path / "d", 2)
+        assert push(newer, 3).status_code == 200
+        stale = push(older, 2)
+        assert stale.status_code == 400, stale.text
+        assert "not newer than the served version 3" in stale.json()["error"]["message"]
+        assert greedy() == hf_greedy(lively("qwen2", 6), prompt, 8)
 
 
 @pytest.mark.timeout(120)

@@ -561,8 +561,14 @@ def run_demo(
         job = build_job(config, stack, pool=pool)
         model, scheduler = job.model, job.scheduler
         if lead:  # only once the job is built: a config that cannot run leaves nothing
-            run.mkdir(parents=True, exist_ok=True)
-            (run / "config.json").write_text(json.dumps(dataclasses.asdict(config), indent=2))
+            if run.exists() and not run.is_dir():
+                raise DemoError(f"{run} is a file, not a run folder")
+            try:
+                run.mkdir(parents=True, exist_ok=True)
+                text = json.dumps(dataclasses.asdict(config), indent=2)
+                (run / "config.json").write_text(text)
+            except OSError as exc:
+                raise DemoError(f"{run} cannot be written: {exc}") from None
         if pool is not None:
             from dew.pool import attach
 

@@ -79,6 +79,8 @@ def load_table(path: str, name: str = "data.path") -> Any:
             return loaded
         if not where.is_file():
             raise ConfigError(f"{name}: {path}: no such file or folder")
+        if where.stat().st_size == 0:
+            raise ConfigError(f"{name}: {path} is empty")
         kind = _FORMATS.get(where.suffix.lower())
         if kind is None:
             raise ConfigError(f"{name}: {path}: expected one of {sorted(_FORMATS)} or a folder")
@@ -86,7 +88,8 @@ def load_table(path: str, name: str = "data.path") -> Any:
     except ConfigError:
         raise
     except Exception as exc:  # datasets' own parse errors, of many types
-        raise ConfigError(f"{name}: {path} cannot be loaded: {type(exc).__name__}: {exc}") from None
+        why = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+        raise ConfigError(f"{name}: {path} cannot be loaded: {why}") from None
 
 
 def load_rows(
@@ -113,13 +116,20 @@ def load_rows(
     longest = 0
     budget = max_len - max_tokens
     chat_tokens = ChatTokens(tokenizer) if chat else None
-    for i, value in enumerate(table[column]):
-        why, length = _check(value, chat_tokens, tokenizer, budget, max_tokens)
-        if why is None:
-            usable.append(i)
-            longest = max(longest, length)
-        else:
-            skipped[i] = why
+    try:
+        for i, value in enumerate(table[column]):
+            why, length = _check(value, chat_tokens, tokenizer, budget, max_tokens)
+            if why is None:
+                usable.append(i)
+                longest = max(longest, length)
+            else:
+                skipped[i] = why
+    except UnicodeDecodeError as exc:  # read lazily, row by row
+        row = len(usable) + len(skipped)
+        raise ConfigError(
+            f"{field}: {path} is not UTF-8 text (row {row}: byte {exc.object[exc.start]:#04x} "
+            f"at {exc.start})"
+        ) from None
     if not usable:
         first = "; ".join(f"row {i}: {why}" for i, why in list(skipped.items())[:3])
         raise ConfigError(f"{field}: no usable row in {path} ({first})")

@@ -6,8 +6,8 @@ created, so a config that cannot run leaves nothing behind. Then the run folder 
 ``config.toml`` (the resolved config), ``skipped_rows.json`` (when rows were skipped),
 ``records.jsonl``, ``checkpoints/`` (exact resume, as :func:`dew.train.fit` does) and
 ``export/`` (``save_pretrained`` of the model and its tokenizer at the end, and
-``export/step-N`` every ``output.export_every`` steps), loadable by ``transformers`` as
-they are.
+``exports/step-N`` every ``output.export_every`` steps), loadable by ``transformers`` as
+they are, each whole or absent.
 
 Threads: none of its own; the engine, the source and the scheduler own theirs, and
 each is closed by one ExitStack in the reverse order of its making.
@@ -94,6 +94,11 @@ def prepare(config: JobConfig) -> Prepared:
         )
 
     rows = rows_of(config.data.path, "data.path")
+    if len(rows.usable) < config.training.tasks:
+        raise ConfigError(
+            f"training.tasks: {config.training.tasks} tasks a step, but data.path has "
+            f"{len(rows.usable)} usable rows ({len(rows.skipped)} skipped)"
+        )
     eval_path = config.data.eval_path
     eval_rows = None if eval_path is None else rows_of(eval_path, "data.eval_path")
     return Prepared(config, model, tokenizer, rows, rewards, eval_rows)
@@ -109,6 +114,8 @@ def train(prepared: Prepared, *, resume: bool = False, progress: bool = True) ->
     """
     config = prepared.config
     run = Path(config.output.run_dir)
+    if run.exists() and not run.is_dir():
+        raise ConfigError(f"output.run_dir: {run} is a file, not a run folder")
     fresh = not run.exists()
     try:
         with ExitStack() as stack:
@@ -119,14 +126,18 @@ def train(prepared: Prepared, *, resume: bool = False, progress: bool = True) ->
                     stack.enter_context(_runlock.hold(run))
                 except _runlock.RunInUse as exc:
                     raise ConfigError(f"output.run_dir: {exc}") from None
+                except OSError as exc:  # a file by that name, no permission, ...
+                    raise ConfigError(f"output.run_dir: {run}: {exc.strerror}") from None
             if _holds_a_run(run) and not resume:
                 raise ConfigError(f"output.run_dir: {run} already holds a run; add --resume")
             if rank == 0:
-                run.mkdir(parents=True, exist_ok=True)
-                (run / "config.toml").write_text(config.to_toml())
-                if prepared.rows.skipped:
-                    skipped = {str(i): why for i, why in prepared.rows.skipped.items()}
-                    (run / "skipped_rows.json").write_text(json.dumps(skipped, indent=1))
+                try:
+                    (run / "config.toml").write_text(config.to_toml())
+                    if prepared.rows.skipped:
+                        skipped = {str(i): why for i, why in prepared.rows.skipped.items()}
+                        (run / "skipped_rows.json").write_text(json.dumps(skipped, indent=1))
+                except OSError as exc:
+                    raise ConfigError(f"output.run_dir: {run} cannot be written: {exc}") from None
             return _train(prepared, run, pool, stack, resume=resume, progress=progress)
     except ConfigError:
         if fresh:  # refused before it trained: a folder this call made leaves with it
@@ -325,20 +336,39 @@ def _train(
 def export(model: Any, tokenizer: Any, folder: Path, config: JobConfig, pool: Any = None) -> None:
     """``save_pretrained`` of the model and its tokenizer (with its chat template); with
     LoRA the merged model there and the adapter in ``adapter/``. A sharded model is
-    gathered to rank 0, which writes (every process calls this)."""
+    gathered to rank 0, which writes (every process calls this).
+
+    Whole or not at all, as checkpoints are: it is written into ``.tmp-NAME`` beside
+    ``folder`` and renamed into place, so a kill inside it leaves ``folder`` as it was
+    (absent, or the previous export) and a temporary folder the next export removes."""
+    writer = pool is None or pool.rank == 0
+    tmp = folder.with_name(f".tmp-{folder.name}")
+    if writer:
+        shutil.rmtree(tmp, ignore_errors=True)  # a killed export's
+        tmp.mkdir(parents=True)
     if pool is not None:
         from dew.pool import save_pretrained
 
-        save_pretrained(model, folder, pool, tokenizer=tokenizer)
-        return
-    if config.model.lora_rank > 0:
+        save_pretrained(model, tmp, pool, tokenizer=tokenizer)
+    elif config.model.lora_rank > 0:
         from dew.job import lora
 
-        lora.export(model, tokenizer, config.model.path, folder)
-        return
-    folder.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(folder)
-    tokenizer.save_pretrained(folder)
+        lora.export(model, tokenizer, config.model.path, tmp)
+    else:
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+    if writer:
+        _publish(tmp, folder)
+
+
+def _publish(tmp: Path, folder: Path) -> None:
+    """Put the whole folder ``tmp`` in ``folder``'s place (the old one goes)."""
+    old = folder.with_name(f".old-{folder.name}")
+    shutil.rmtree(old, ignore_errors=True)
+    if folder.exists():
+        folder.rename(old)
+    tmp.rename(folder)
+    shutil.rmtree(old, ignore_errors=True)
 
 
 def _exporter(
@@ -347,7 +377,7 @@ def _exporter(
     def maybe(record: Any) -> None:
         step = int(record["step"])
         if every and step % every == 0:
-            export(model, tokenizer, run / "export" / f"step-{step}", config, pool)
+            export(model, tokenizer, run / "exports" / f"step-{step}", config, pool)
 
     return maybe
 
