@@ -204,8 +204,8 @@ def push_latency(size: str, pushes: int) -> PushResult:
         print(f"  {size}: {params:,} parameters, {nbytes / 1e6:,.1f} MB", file=sys.stderr)
         ms: dict[str, list[float]] = {p: [] for p in PATHS}
         with (
-            serving("--model", str(tmp / "model")) as served,
-            HTTPEngine(served.url, timeout=600.0, startup_timeout=60.0) as engine,
+            serving("--model", str(tmp / "model"), "--weights-dir", str(shm)) as served,
+            HTTPEngine(served.url, weights_dir=shm, timeout=600.0, startup_timeout=60.0) as engine,
             httpx.Client(base_url=served.url, timeout=600.0) as client,
             ThreadPoolExecutor(max_workers=1) as side,
         ):
