@@ -316,7 +316,6 @@ def test_chaos_twenty_engine_kills_abandon_no_group(tmp_path: Path) -> None:
     seen: list[int] = []
     over = threading.Event()
     with EngineFleet.launch(2, demo="tiny", env=ONE_THREAD, health_interval=0.2) as fleet:
-
         dead: set[int] = set()
 
         def kill() -> None:
