@@ -523,6 +523,7 @@ def test_chaos_a_run_killed_before_its_first_whole_checkpoint_resumes_from_step_
 
 EXPORTER = """
 import sys
+import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -532,10 +533,26 @@ from dew.demo.model import make_model, make_tokenizer
 from dew.job.run import export
 
 folder, config = Path(sys.argv[1]), SimpleNamespace(model=SimpleNamespace(lora_rank=0))
-tokenizer = make_tokenizer()
-for i in range(1000):
-    model = make_model("qwen2", "tiny", seed=i)
-    export(model, tokenizer, folder, config)
+
+
+class Stalling:
+    # The tokenizer, whose second save says so and then waits to be killed: the kill
+    # lands inside the export, its weights written and its tokenizer not.
+
+    def __init__(self):
+        self.tokenizer, self.saves = make_tokenizer(), 0
+
+    def save_pretrained(self, path):
+        self.saves += 1
+        if self.saves == 2:
+            print("inside", flush=True)
+            time.sleep(600)
+        return self.tokenizer.save_pretrained(path)
+
+
+tokenizer = Stalling()
+for i in range(2):
+    export(make_model("qwen2", "tiny", seed=i), tokenizer, folder, config)
     print("done", i, flush=True)
 """
 
@@ -553,12 +570,10 @@ def test_chaos_an_export_killed_inside_leaves_the_previous_whole_one(tmp_path: P
         [sys.executable, "-c", EXPORTER, str(folder)], stdout=subprocess.PIPE, text=True
     )
     try:
-        assert proc.stdout is not None and proc.stdout.readline() == "done 0\n"
-        # Killed inside the next export: its weights written, its tokenizer maybe not.
-        deadline = time.monotonic() + 120
-        while not (partial / "model.safetensors").is_file():
-            assert proc.poll() is None and time.monotonic() < deadline
-            time.sleep(0.001)
+        assert proc.stdout is not None
+        assert proc.stdout.readline() == "done 0\n"
+        assert proc.stdout.readline() == "inside\n"  # the second export, half written
+        assert (partial / "model.safetensors").is_file()
         proc.send_signal(signal.SIGKILL)
         proc.wait()
     finally:
