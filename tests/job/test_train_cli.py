@@ -392,10 +392,7 @@ def test_a_second_trainer_on_a_running_folder_is_refused_in_one_line(
     argv += ["--training.steps", "500", "--output.wandb", "false"]
     first = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
-        deadline = time.monotonic() + 200
-        while not (run / "records.jsonl").is_file() or not (run / "records.jsonl").stat().st_size:
-            assert first.poll() is None and time.monotonic() < deadline, "no step recorded"
-            time.sleep(0.1)
+        _await_records(first, run, 1, within=200, poll=0.1)
         for extra in ((), ("--resume",)):
             done = dew_train(str(path), "--output.wandb", "false", *extra)
             lines = done.stderr.strip().splitlines()
@@ -405,6 +402,18 @@ def test_a_second_trainer_on_a_running_folder_is_refused_in_one_line(
     finally:
         first.kill()
         first.wait()
+
+
+def _await_records(
+    trainer: subprocess.Popen[Any], run: Path, lines: int, *, within: float, poll: float
+) -> None:
+    """Wait until ``run``'s records hold ``lines`` steps, ``trainer`` still running."""
+    records = run / "records.jsonl"
+    deadline = time.monotonic() + within
+    while not records.is_file() or len(records.read_text().splitlines()) < lines:
+        assert trainer.poll() is None, "the trainer exited before it recorded a step"
+        assert time.monotonic() < deadline, f"{lines} steps not recorded in {within} s"
+        time.sleep(poll)
 
 
 def _children(pid: int) -> dict[int, str]:
@@ -447,12 +456,8 @@ def test_chaos_a_trainer_killed_takes_its_engines_and_weights_with_it(
     argv += ["--engine.kind", "fleet", "--engine.engines", "2"]
     trainer = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
-        records = tmp_path / "run" / "records.jsonl"
-        deadline = time.monotonic() + 300
-        while not records.is_file() or not records.stat().st_size:
-            assert trainer.poll() is None, trainer.stderr.read()[-3000:]  # type: ignore[union-attr]
-            assert time.monotonic() < deadline, "no step recorded"
-            time.sleep(0.1)
+        run = tmp_path / "run"
+        _await_records(trainer, run, 1, within=300, poll=0.1)
         servers = {p for p, cmd in _children(trainer.pid).items() if "dew.serve" in cmd}
         dogs = {p for p, cmd in _children(trainer.pid).items() if "dew._watchdog" in cmd}
         assert len(servers) == 2 and len(dogs) == 2, _children(trainer.pid)
@@ -495,11 +500,8 @@ def test_chaos_a_run_killed_before_its_first_whole_checkpoint_resumes_from_step_
     argv += ["--output.wandb", "false", "--output.checkpoint_every", "2", "--training.steps", "4"]
     trainer = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
-        deadline = time.monotonic() + 200
         # SIGKILL once a step is recorded, and before the first checkpoint (step 2) is whole.
-        while not (run / "records.jsonl").is_file() or not (run / "records.jsonl").stat().st_size:
-            assert trainer.poll() is None and time.monotonic() < deadline
-            time.sleep(0.01)
+        _await_records(trainer, run, 1, within=200, poll=0.01)
         trainer.send_signal(signal.SIGKILL)
         trainer.wait()
     finally:
@@ -637,12 +639,8 @@ def test_chaos_a_resume_after_a_kill_logs_each_step_to_wandb_once(
     argv = [sys.executable, "-m", "dew.cli", "train", str(path), "--no-progress", *settings]
     trainer = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
-        deadline = time.monotonic() + 200
         # Killed once step 3 is recorded: the checkpoint of step 2 is the last whole one.
-        recorded = run / "records.jsonl"
-        while not recorded.is_file() or len(recorded.read_text().splitlines()) < 3:
-            assert trainer.poll() is None and time.monotonic() < deadline
-            time.sleep(0.005)
+        _await_records(trainer, run, 3, within=200, poll=0.005)
         trainer.send_signal(signal.SIGKILL)
         trainer.wait()
     finally:
