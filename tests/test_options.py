@@ -1,8 +1,8 @@
 """Every public option has a test that shows a non-default value taking effect.
 
-An option is a parameter with a default, of the scheduler, the objective, the sources
-and ``fit``. ``EFFECT_TESTS`` names, for each, the test that sets it to something else
-and checks what must then differ (a validation test alone does not count: an option can
+An option is a parameter with a default, of the scheduler, the objective, the sources,
+``fit`` and ``dew train``'s rewards. ``EFFECT_TESTS`` names, for each, the test that
+sets it to something else and checks what must then differ (a validation test alone does not count: an option can
 be checked and then ignored). A new option fails ``test_every_option_names_its_effect_test``
 until its test is listed here.
 """
@@ -20,6 +20,7 @@ import pytest
 
 from dew.core import ThreadedSource
 from dew.gateway import HarnessSource
+from dew.job.rewards import combine, load_reward
 from dew.objectives.rl import GRPOObjective, RolloutScheduler
 from dew.objectives.rl.sources import EnvironmentSource, PromptSource
 from dew.train import fit
@@ -35,6 +36,7 @@ PROMPTS = "objectives/rl/sources/test_prompt_source.py"
 HARNESS = "gateway/test_harness.py"
 CWD = f"{HARNESS}::test_cwd_sets_the_subprocess_directory_and_max_output_bytes_keeps_the_tail"
 FIT = "train/test_fit.py"
+FAULTS = "job/test_reward_pool.py::test_each_way_a_reward_can_fail_is_that_calls_error_naming_it"
 
 EFFECT_TESTS: dict[Callable[..., Any], dict[str, str]] = {
     RolloutScheduler: {
@@ -98,6 +100,11 @@ EFFECT_TESTS: dict[Callable[..., Any], dict[str, str]] = {
             "test_runs_go_to_the_processes_and_come_back_recorded"
         ),
     },
+    load_reward: {
+        "weight": "job/test_rewards.py::test_trl_and_dew_signatures_combine_with_weights",
+        "timeout": FAULTS,
+    },
+    combine: {"pool": FAULTS},
     fit: {
         "run_dir": f"{FIT}::test_a_failed_write_leaves_the_previous_checkpoint_whole",
         "checkpoint_every": f"{FIT}::test_resume_reproduces_an_uninterrupted_run_bit_for_bit",

@@ -31,14 +31,18 @@ def copy_reward(prompts, completions, completion_ids, answer, **kwargs):
 """
 
 
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def make_model_dir(folder: Path) -> Path:
+    """A tiny random model and the demo tokenizer, saved as a user's model folder."""
     from dew.demo.model import make_model, make_tokenizer
 
-    folder = tmp_path_factory.mktemp("model")
     make_model("qwen2", "tiny", seed=0, max_positions=64).save_pretrained(folder)
     make_tokenizer().save_pretrained(folder)
     return folder
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_model_dir(tmp_path_factory.mktemp("model"))
 
 
 def config(tmp_path: Path, model_dir: Path, **extra: str) -> Path:

@@ -37,6 +37,7 @@ from ._fleet_helpers import (
     wait_for,
 )
 from ._helpers import WAIT, chaos_seed, hf_greedy, lively
+from ._proxy import Proxy
 
 LONG = SamplingParams(max_tokens=900, stop_ids=())  # far longer than any test waits
 SHORT = SamplingParams(max_tokens=4, stop_ids=())
@@ -301,6 +302,47 @@ def test_a_restarted_member_serves_nothing_before_it_has_the_fleets_weights() ->
         futures = [fleet.submit(prompt, greedy, affinity=i) for i in range(8)]
         assert {_served_by(f) for f in futures} == {m.url for m in fleet.members()}
         assert all(list(f.result(timeout=WAIT).completion) == want for f in futures)
+
+
+@pytest.mark.timeout(180)
+def test_a_failed_call_keeps_new_calls_off_its_member_and_its_group_off_for_good(
+    tmp_path: Path,
+) -> None:
+    """The picking rule alone, with the failed member's /health still answering (so no
+    take-out hides it): while its health check decides, no new call goes there; once
+    trusted again it takes new work, but never the group whose call it failed."""
+    with ExitStack() as stack:
+        wd = ("--weights-dir", str(tmp_path))
+        a, b = start_servers(stack, ("--demo", "tiny", *wd), ("--demo", "tiny", *wd))
+        proxy = Proxy(("127.0.0.1", int(a.url.rsplit(":", 1)[1])))
+        stack.callback(proxy.close)
+        fleet = stack.enter_context(EngineFleet([proxy.url, b.url], health_interval=60))
+        first = fleet.submit([7, 8, 9], SHORT, affinity="g")
+        assert _served_by(first) == proxy.url  # both idle: the first member
+        assert first.result(timeout=WAIT).version == 0
+        proxy.health_open.clear()  # the health check the failure starts waits here
+        proxy.cut_next_generate.set()
+        failed = fleet.submit([7, 8, 9], SHORT, affinity="g")
+        with pytest.raises(EngineError):
+            failed.result(timeout=WAIT)
+        members = fleet.members()
+        assert [(m.state, m.suspect) for m in members] == [("up", True), ("up", False)]
+        # Suspect: every new call goes to b, though a has less work. (Group "g" is
+        # left out here: sent to b now, b would become its home and hide the rule.)
+        others = [fleet.submit([7, i], SHORT, affinity=f"h{i}") for i in range(3)]
+        loose = fleet.submit([7, 8], SHORT)
+        assert {_served_by(f) for f in [*others, loose]} == {b.url}
+        wait([*others, loose], timeout=WAIT)
+        proxy.health_open.set()
+        wait_for(fleet, lambda ms: not ms[0].suspect, WAIT, "a trusted again")
+        assert fleet.members()[0].state == "up" and proxy.healths >= 1
+        # Trusted again: new groups go to a (the least dispatched); "g", whose home a
+        # still is, never does.
+        fresh = fleet.submit([7, 8, 9], SHORT, affinity="k")
+        assert _served_by(fresh) == proxy.url
+        regroup = [fleet.submit([7, 8, i], SHORT, affinity="g") for i in range(3)]
+        assert {_served_by(f) for f in regroup} == {b.url}
+        assert all(f.result(timeout=WAIT).version == 0 for f in [fresh, *regroup])
 
 
 @pytest.mark.slow

@@ -17,8 +17,10 @@ __all__ = ["error_text", "parse_reward"]
 
 
 def error_text(exc: BaseException) -> str:
-    """``"TypeName: message"``, as a rollout's ``error`` records an exception."""
-    return f"{type(exc).__name__}: {exc}"
+    """``"TypeName: message"`` (or the name alone, for an exception with no message), as
+    a rollout's ``error`` records an exception."""
+    message = str(exc)
+    return f"{type(exc).__name__}: {message}" if message else type(exc).__name__
 
 
 def parse_reward(out: object) -> tuple[float, dict[str, float]]:

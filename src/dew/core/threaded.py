@@ -11,20 +11,30 @@ Invariants:
   every running session's stop event, drops queued ones, waits until every session it
   started has resolved (including sessions a subclass resolves off the pool, from an
   engine's future, through :meth:`ThreadedSource.begin` and
-  :meth:`ThreadedSource.settle`) and joins the workers.
+  :meth:`ThreadedSource.settle`) and joins the workers;
+* ``close()`` is bounded: it waits at most ``stuck_after`` seconds for that. A session
+  still running then is stuck in code that ignores its stop event, which no thread can
+  end; close logs the keys of those it leaves (logger ``dew.core``, a warning) and
+  returns. Worker threads are daemons, so a stuck one cannot keep the process from
+  exiting.
 """
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
-from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
+from concurrent.futures import CancelledError, Future
+from functools import partial
 
 from dew.core._checks import as_int
 from dew.core.types import Rollout, RolloutKey, Session, Status, Task, cancelled_rollout
 
 __all__ = ["ThreadedSession", "ThreadedSource"]
+
+log = logging.getLogger("dew.core")
 
 
 class ThreadedSession:
@@ -104,7 +114,7 @@ class ThreadedSource:
             raise ValueError(f"stuck_after must be > 0 seconds, got {stuck_after!r}")
         self.workers = workers
         self.stuck_after = float(stuck_after)
-        self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix=type(self).__name__)
+        self._pool = _Workers(workers, type(self).__name__)
         self._lock = threading.Lock()
         self._live: set[ThreadedSession] = set()
         self._closed = False
@@ -201,18 +211,93 @@ class ThreadedSource:
             self._live.discard(session)  # type: ignore[arg-type]
 
     def close(self) -> None:
-        """Stop every session, drop queued ones and join the worker threads."""
+        """Stop every session, drop queued ones and join the worker threads, waiting
+        at most ``stuck_after`` seconds (see the module docstring)."""
         with self._lock:
             self._closed = True
             live = list(self._live)
+        deadline = time.monotonic() + self.stuck_after
         for s in live:
             s.cancel()
         for s in live:  # running ones see their stop event; queued ones resolved in cancel()
-            s._settled.wait()
-        self._pool.shutdown(wait=True, cancel_futures=True)
+            s._settled.wait(max(0.0, deadline - time.monotonic()))
+        left = sorted((s.key for s in live if not s._settled.is_set()), key=str)
+        self._pool.shutdown(deadline)
+        if left:
+            shown = ", ".join(str(k) for k in left[:5]) + (" ..." if len(left) > 5 else "")
+            log.warning(
+                "%s closed with %d rollouts still running %gs after their cancel (%s): "
+                "their threads are left behind; their run() must return once its stop "
+                "event is set",
+                type(self).__name__,
+                len(left),
+                self.stuck_after,
+                shown,
+            )
 
     def __enter__(self) -> ThreadedSource:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+class _Workers:
+    """A bounded pool of daemon threads, started as work comes: a thread stuck in a
+    session cannot keep the process from exiting, as an executor's would."""
+
+    def __init__(self, size: int, name: str) -> None:
+        self._size = size
+        self._name = name
+        self._cond = threading.Condition()
+        self._queue: deque[Callable[[], object]] = deque()
+        self._threads: set[threading.Thread] = set()
+        self._idle = 0
+        self._made = 0
+        self._shut = False
+
+    def submit(self, fn: Callable[..., object], *args: object) -> None:
+        """Run ``fn(*args)`` on a worker; RuntimeError after :meth:`shutdown`."""
+        thread = None
+        with self._cond:
+            if self._shut:
+                raise RuntimeError("cannot schedule new work after shutdown")
+            self._queue.append(partial(fn, *args))
+            if self._idle:
+                self._cond.notify()
+            elif len(self._threads) < self._size:
+                self._made += 1
+                thread = threading.Thread(
+                    target=self._run, name=f"{self._name}_{self._made}", daemon=True
+                )
+                self._threads.add(thread)
+        if thread is not None:  # outside the lock, which its first step takes
+            thread.start()
+
+    def _run(self) -> None:
+        try:
+            while True:
+                with self._cond:
+                    while not self._queue and not self._shut:
+                        self._idle += 1
+                        self._cond.wait()
+                        self._idle -= 1
+                    if not self._queue:
+                        return
+                    job = self._queue.popleft()
+                job()
+        finally:
+            with self._cond:
+                self._threads.discard(threading.current_thread())
+
+    def shutdown(self, deadline: float) -> None:
+        """Drop queued work and join the threads until ``deadline`` (monotonic)."""
+        with self._cond:
+            self._shut = True
+            self._queue.clear()
+            self._cond.notify_all()
+            threads = list(self._threads)
+        for thread in threads:
+            # One not started yet (submit starts it just after its lock) finds no work.
+            if thread.ident is not None and thread is not threading.current_thread():
+                thread.join(max(0.0, deadline - time.monotonic()))

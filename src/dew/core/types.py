@@ -52,6 +52,11 @@ class Task:
     id: str
     data: Mapping[str, Any] = field(default_factory=lambda: _EMPTY)
 
+    def __reduce__(self) -> tuple[Any, ...]:
+        # Picklable (a reward worker process gets its task) though the empty default
+        # is a read-only mapping proxy, which pickle refuses.
+        return (Task, (self.id, dict(self.data)))
+
 
 class RolloutKey(NamedTuple):
     """The scheduler's label for one attempt at one sample of one group.

@@ -4,7 +4,7 @@ A config has these sections (each a table; ``[[rewards]]`` an array of tables)::
 
     [model]      path, dtype, gradient_checkpointing, lora_rank, lora_alpha, ...
     [data]       path, prompt_column | messages_column, eval_path
-    [[rewards]]  function ("pkg.mod:fn" or "path/to/file.py:fn"), weight
+    [[rewards]]  function ("pkg.mod:fn" or "path/to/file.py:fn"), weight, timeout
     [sampling]   the fields of dew.core.SamplingParams
     [scheduler]  the knobs of dew.objectives.rl.SchedulerConfig
     [objective]  clip, clip_high, importance_cap, kl_coef of GRPOObjective
@@ -50,6 +50,7 @@ from pydantic import (
 
 from dew._net import API_KEY_ENV
 from dew.core import MIN_TEMPERATURE, SamplingParams
+from dew.job.rewards import REWARD_TIMEOUT
 from dew.objectives.rl.config import SchedulerConfig
 from dew.objectives.rl.grpo import GRPOObjective
 from dew.pool import init_pool
@@ -117,6 +118,7 @@ class DataSection(_Section):
 class RewardSection(_Section):
     function: str
     weight: float = 1.0
+    timeout: float = REWARD_TIMEOUT  # seconds per call; then its process is killed
 
     @field_validator("function")
     @classmethod
@@ -130,6 +132,13 @@ class RewardSection(_Section):
     def _finite(cls, value: float) -> float:
         if not math.isfinite(value):
             raise ValueError("must be a finite number")
+        return value
+
+    @field_validator("timeout")
+    @classmethod
+    def _bounded(cls, value: float) -> float:
+        if not (math.isfinite(value) and value > 0):
+            raise ValueError(f"must be > 0 seconds, got {value}")
         return value
 
 

@@ -17,6 +17,12 @@ share is kept as a named component. A function that raises, returns the wrong nu
 of values, or returns something not finite ends the rollout as an error naming the
 function (the source records it with the error text), never as a reward of 0; so does
 a rollout that no function scored.
+
+Given a :class:`~dew.job._reward_pool.RewardPool` (as ``dew train`` gives it), each
+call runs in a worker process of the pool, bounded by the function's ``timeout``: a
+reward that hangs, exits its process, raises ``SystemExit`` or ``KeyboardInterrupt``,
+or is killed is that rollout's error, naming the function and what happened, and it
+cannot hold the run.
 """
 
 from __future__ import annotations
@@ -31,11 +37,23 @@ import sys
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
-from dew.core import Call, Task
+from dew.core import Call, Task, error_text
 
-__all__ = ["Reward", "RewardError", "boxed_format", "combine", "exact_answer", "load_reward"]
+__all__ = [
+    "REWARD_TIMEOUT",
+    "Reward",
+    "RewardError",
+    "boxed_format",
+    "combine",
+    "exact_answer",
+    "load_reward",
+    "score",
+]
+
+# Seconds one reward call may take before its process is killed and the rollout fails.
+REWARD_TIMEOUT = 60.0
 
 
 class RewardError(ValueError):
@@ -48,9 +66,10 @@ class Reward:
     fn: Callable[..., Any]
     weight: float
     batched: bool  # TRL's signature (lists in, a list out)
+    timeout: float = REWARD_TIMEOUT  # seconds per call, when run in a RewardPool
 
 
-def load_reward(spec: str, weight: float = 1.0) -> Reward:
+def load_reward(spec: str, weight: float = 1.0, timeout: float = REWARD_TIMEOUT) -> Reward:
     """The function ``spec`` names, with its signature told apart; RewardError if the
     module or file cannot be imported, has no such name, or the name is not a function
     of either signature."""
@@ -69,15 +88,26 @@ def load_reward(spec: str, weight: float = 1.0) -> Reward:
         raise RewardError(f"{spec}: {where} has no {attr!r}")
     if not callable(fn):
         raise RewardError(f"{spec}: {attr!r} is not callable")
-    return Reward(spec, fn, float(weight), _batched(spec, fn))
+    return Reward(spec, fn, float(weight), _batched(spec, fn), float(timeout))
+
+
+class _Runs(Protocol):
+    def score(self, index: int, *args: Any) -> float | None: ...
 
 
 def combine(
-    rewards: Sequence[Reward], rows: Sequence[Mapping[str, Any]], *, prompt_column: str, chat: bool
+    rewards: Sequence[Reward],
+    rows: Sequence[Mapping[str, Any]],
+    *,
+    prompt_column: str,
+    chat: bool,
+    pool: _Runs | None = None,
 ) -> Callable[[Task, Any, Call], dict[str, float]]:
     """One verifier for :class:`~dew.objectives.rl.sources.PromptSource` over ``rows``
     (the dataset; a task id is a row index): see the module docstring. ``chat``: the
-    prompts are message lists."""
+    prompts are message lists. ``pool``: the :class:`~dew.job._reward_pool.RewardPool`
+    (of the same ``rewards``) whose processes run the calls; None runs them on the
+    caller's thread, unbounded."""
     if not rewards:
         raise RewardError("no reward functions")
 
@@ -87,8 +117,9 @@ def combine(
         columns = {k: v for k, v in row.items() if k != prompt_column}
         task = Task(task.id, data=row)
         parts: dict[str, float] = {}
-        for reward in rewards:
-            value = _score(reward, task, prompt, completion, call, columns, chat)
+        for index, reward in enumerate(rewards):
+            args = (task, prompt, completion, call, columns, chat)
+            value = score(reward, *args) if pool is None else pool.score(index, *args)
             if value is not None:
                 parts[reward.name] = reward.weight * value
         if not parts:
@@ -99,7 +130,7 @@ def combine(
     return verifier
 
 
-def _score(
+def score(
     reward: Reward,
     task: Task,
     prompt: Any,
@@ -108,6 +139,8 @@ def _score(
     row: Mapping[str, Any],
     chat: bool,
 ) -> float | None:
+    """``reward``'s value for one completion (None: not scored); RewardError naming it
+    when it raises an ``Exception`` or returns something that is not a finite number."""
     try:
         if reward.batched:
             text = [{"role": "assistant", "content": completion}] if chat else completion
@@ -127,7 +160,7 @@ def _score(
     except RewardError as exc:
         raise RewardError(f"reward {reward.name}: {exc}") from None
     except Exception as exc:
-        raise RewardError(f"reward {reward.name} raised {type(exc).__name__}: {exc}") from exc
+        raise RewardError(f"reward {reward.name} raised {error_text(exc)}") from exc
     if value is None:
         return None
     return _finite(reward, value)

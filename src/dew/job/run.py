@@ -10,7 +10,9 @@ created, so a config that cannot run leaves nothing behind. Then the run folder 
 they are, each whole or absent.
 
 Threads: none of its own; the engine, the source and the scheduler own theirs, and
-each is closed by one ExitStack in the reverse order of its making.
+each is closed by one ExitStack in the reverse order of its making. Reward functions
+run in the worker processes of a :class:`~dew.job._reward_pool.RewardPool` (each call
+bounded by its ``timeout``), for training and evaluation alike.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from typing import Any
 
 from dew import _runlock
 from dew._net import API_KEY_ENV
+from dew.job._reward_pool import RewardPool
 from dew.job.config import ConfigError, JobConfig
 from dew.job.data import Rows, load_rows
 from dew.job.rewards import Reward, RewardError, combine, load_reward
@@ -60,7 +63,7 @@ def prepare(config: JobConfig) -> Prepared:
     rewards = []
     for i, section in enumerate(config.rewards):
         try:
-            rewards.append(load_reward(section.function, section.weight))
+            rewards.append(load_reward(section.function, section.weight, section.timeout))
         except RewardError as exc:
             raise ConfigError(f"rewards.{i}.function: {exc}") from None
     path = Path(config.model.path)
@@ -224,7 +227,10 @@ def _train(
     torch.manual_seed(config.training.seed)
     sampling = config.sampling_params()
     knobs = config.scheduler_config()
-    verifier = combine(prepared.rewards, rows, prompt_column=rows.column, chat=config.data.chat)
+    rewards = RewardPool(prepared.rewards)  # no process until the first call
+    verifier = combine(
+        prepared.rewards, rows, prompt_column=rows.column, chat=config.data.chat, pool=rewards
+    )
     groups = knobs.groups
     width = rows.prompt_tokens + sampling.max_tokens
     batch_rows = config.training.tasks // shares * groups  # this process's rows
@@ -273,6 +279,9 @@ def _train(
         chat_template=config.data.chat,
     )
     stack.callback(source.close)
+    # Closed before the source: reward calls in progress end at once, so the source's
+    # close does not wait for them.
+    stack.callback(rewards.close)
     hooks = None
     if pool is not None:
         from dew.pool import scheduler_hooks
@@ -290,7 +299,7 @@ def _train(
     if prepared.eval_rows is not None:
         # Every process decodes alike (a sharded forward is a collective); rank 0 writes.
         own = run if rank == 0 else run / f"rank{rank}"
-        log.append(_evaluator(prepared, model, own, sampling))
+        log.append(_evaluator(prepared, model, own, sampling, rewards))
     if config.output.wandb and rank == 0:
         from dew.job._wandb import WandbSink
 
@@ -420,13 +429,17 @@ def _steps_done(run: Path, pool: Any) -> int:
     return 0 if saved is None else step_of(saved) or 0
 
 
-def _evaluator(prepared: Prepared, model: Any, run: Path, sampling: Any) -> Any:
+def _evaluator(
+    prepared: Prepared, model: Any, run: Path, sampling: Any, rewards: RewardPool
+) -> Any:
     from dew.job.evaluate import evaluate, recorder
 
     config, rows = prepared.config, prepared.eval_rows
     assert rows is not None
     t = config.training
-    verifier = combine(prepared.rewards, rows, prompt_column=rows.column, chat=config.data.chat)
+    verifier = combine(
+        prepared.rewards, rows, prompt_column=rows.column, chat=config.data.chat, pool=rewards
+    )
 
     def now() -> dict[str, Any]:
         return evaluate(

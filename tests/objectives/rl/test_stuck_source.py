@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import threading
 import time
+from pathlib import Path
 
 import pytest
 
@@ -77,3 +80,46 @@ def test_the_scheduler_counts_stuck_rollouts_and_stops_when_no_worker_is_left() 
         release.set()  # lets the deaf rollouts end, so closing can join their threads
         scheduler.close()
         source.close()
+
+
+@pytest.mark.timeout(60)
+def test_close_is_bounded_and_names_the_rollouts_it_leaves(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    release = threading.Event()
+    source = DeafToStop(release, stuck_after=0.3)
+    try:
+        stuck = source.start(Task("0"), RolloutKey(group=7, sample=1, attempt=0))
+        done = source.start(Task("1"), RolloutKey(group=8, sample=0, attempt=0))
+        assert done.result(timeout=10).status is Status.COMPLETED
+        t0 = time.monotonic()
+        with caplog.at_level("WARNING", logger="dew.core"):
+            source.close()
+        assert 0.25 < time.monotonic() - t0 < 5  # stuck_after, not the rollout's 60 s
+        assert not stuck.done()
+        (warning,) = [r.getMessage() for r in caplog.records if r.name == "dew.core"]
+        assert "DeafToStop closed with 1 rollouts still running" in warning
+        assert "group=7, sample=1, attempt=0" in warning
+    finally:
+        release.set()
+
+
+@pytest.mark.timeout(60)
+def test_a_process_whose_source_is_stuck_still_exits() -> None:
+    """A stuck worker thread is a daemon: after close, the process ends normally."""
+    script = """
+import threading
+from dew.core import RolloutKey, Task
+from tests.objectives.rl.test_stuck_source import DeafToStop
+source = DeafToStop(threading.Event(), stuck_after=0.2)
+source.start(Task("0"), RolloutKey(group=0, sample=0, attempt=0))
+source.close()
+print("closed", flush=True)
+"""
+    root = Path(__file__).parents[3]
+    done = subprocess.run(
+        [sys.executable, "-c", script], cwd=root, capture_output=True, text=True, timeout=30
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout == "closed\n"
+    assert "1 rollouts still running" in done.stderr  # logging's last resort prints it

@@ -278,6 +278,7 @@ class EngineFleet(Care, Engine):
                     pid=None if m.local is None or m.local.proc is None else m.local.proc.pid,
                     restarts=m.restarts,
                     reason=m.reason,
+                    suspect=m.suspect,
                 )
                 for m in self._members
             ]

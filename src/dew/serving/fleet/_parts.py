@@ -91,7 +91,9 @@ class Process(Protocol):
 class MemberInfo:
     """A snapshot of one member: ``state`` is ``up`` (in rotation), ``out``,
     ``restarting`` or ``closed``; ``version`` the version the fleet confirmed it serves
-    (-1: none yet); ``reason`` why it is out."""
+    (-1: none yet); ``reason`` why it is out; ``suspect``: a call just failed there and
+    a health check is deciding whether it is out (no new call goes there meanwhile,
+    while another member is up)."""
 
     url: str
     state: str
@@ -101,6 +103,7 @@ class MemberInfo:
     pid: int | None
     restarts: int
     reason: str
+    suspect: bool
 
 
 class Local:

@@ -18,11 +18,12 @@ parts are kept as the rollout's ``components``).
 Outcomes: the engine stopping on a stop token gives ``COMPLETED``; reaching
 ``sampling.max_tokens`` gives ``TRUNCATED`` with ``truncation="length"``, still scored (the
 scheduler's truncation policy decides what that score is worth). A verifier that
-raises or returns something that is not a finite number gives ``INFRA_ERROR`` with the
-error text and no reward. A cancelled session gives ``CANCELLED``. A request the engine
-lost to a fault (:class:`~dew.core.EngineError`, say a fleet member that died) gives
-``INFRA_ERROR``, so the scheduler runs the sample again. An engine that is closed or
-broken raises out of the session: that is not a property of the rollout.
+raises (``SystemExit`` and ``KeyboardInterrupt`` included) or returns something that is
+not a finite number gives ``INFRA_ERROR`` with the error text and no reward. A
+cancelled session gives ``CANCELLED``. A request the engine lost to a fault
+(:class:`~dew.core.EngineError`, say a fleet member that died) gives ``INFRA_ERROR``,
+so the scheduler runs the sample again. An engine that is closed or broken raises out
+of the session: that is not a property of the rollout.
 
 Concurrency: ``start`` encodes the prompt and submits it to the engine
 (:class:`dew.core.Engine`) on the caller's thread, and no thread waits on the
@@ -205,7 +206,10 @@ class PromptSource(ThreadedSource):
         """The verifier's verdict on one finished call, as a rollout."""
         try:
             reward, parts = parse_reward(self.verifier(task, self.completion_view(call), call))
-        except Exception as exc:  # the verifier's failure is recorded, never a reward
+        except (Exception, SystemExit, KeyboardInterrupt) as exc:
+            # The verifier's failure is the rollout's, recorded, never a reward. On a
+            # pool thread an exit or interrupt can only be the verifier's own raise (a
+            # Ctrl-C reaches the main thread), so it is that too, not the run's end.
             return Rollout(
                 key=key,
                 task=task,
