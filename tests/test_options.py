@@ -2,9 +2,9 @@
 
 An option is a parameter with a default, of the scheduler, the objective, the sources,
 ``fit`` and ``dew train``'s rewards. ``EFFECT_TESTS`` names, for each, the test that
-sets it to something else and checks what must then differ (a validation test alone does not count: an option can
-be checked and then ignored). A new option fails ``test_every_option_names_its_effect_test``
-until its test is listed here.
+sets it to something else and checks what must then differ (a validation test alone
+does not count: an option can be checked and then ignored). A new option fails
+``test_every_option_names_its_effect_test`` until its test is listed here.
 """
 
 from __future__ import annotations

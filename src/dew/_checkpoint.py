@@ -19,11 +19,15 @@ place, keeping the newest ``keep``. A process killed mid-write leaves a ``.tmp-*
 folder that the next save or load removes.
 
 Verification refuses a checkpoint with :class:`CheckpointError` naming the file at
-fault; :func:`latest` walks back to the newest checkpoint that verifies.
+fault; :func:`latest` walks back to the newest checkpoint that verifies. A save that
+runs out of space removes its temporary folder and raises :class:`DiskFull` (a
+``CheckpointError``) saying how much room a run needs: ``keep + 1`` checkpoints at once,
+since a new one is whole before the oldest is pruned.
 """
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import logging
@@ -41,6 +45,7 @@ import numpy as np
 __all__ = [
     "Checkpoint",
     "CheckpointError",
+    "DiskFull",
     "checkpoints",
     "latest",
     "load",
@@ -59,6 +64,48 @@ MANIFEST = "manifest.json"
 
 class CheckpointError(ValueError):
     """A checkpoint folder is missing, truncated or corrupt; the message names the file."""
+
+
+class DiskFull(CheckpointError):
+    """A checkpoint could not be written for want of space (its partial folder removed)."""
+
+
+# torch's zip writer reports a short write as a RuntimeError that carries no errno; a
+# disk with less than this left after such an error counts as full.
+_NEARLY_FULL = 1 << 20
+
+
+def is_disk_full(exc: BaseException, folder: Path) -> bool:
+    """Whether ``exc``, raised while writing under ``folder``, means the disk is full."""
+    if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
+        return True
+    if isinstance(exc, RuntimeError | OSError):
+        try:
+            return shutil.disk_usage(folder).free < _NEARLY_FULL
+        except OSError:
+            return False
+    return False
+
+
+def disk_full(folder: Path, writing: Path, keep: int) -> DiskFull:
+    """The error for a checkpoint ``writing`` that did not fit (after its removal)."""
+    free = shutil.disk_usage(folder).free
+    sizes = [_bytes(p) for p in checkpoints(folder)]
+    each = f", each about {_mib(sizes[-1])}" if sizes else ""
+    return DiskFull(
+        f"{writing}: no space left on the device ({_mib(free)} free in {folder}). A run "
+        f"needs room for keep + 1 = {keep + 1} checkpoints at once{each} (keep={keep}: a "
+        "new one is whole before the oldest is removed): free some (older checkpoints can "
+        "go) or lower keep, then resume"
+    )
+
+
+def _bytes(path: Path) -> int:
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+
+
+def _mib(n: int) -> str:
+    return f"{n / (1 << 20):.1f} MiB"
 
 
 @dataclass(frozen=True)
@@ -196,8 +243,11 @@ def save(
         else:
             tmp.rename(final)
         _fsync_dir(folder)
-    except BaseException:
+    except BaseException as exc:
+        full = is_disk_full(exc, folder)
         shutil.rmtree(tmp, ignore_errors=True)
+        if full:
+            raise disk_full(folder, tmp.with_name(final.name), keep) from exc
         raise
     prune(folder, final, keep)
     return final

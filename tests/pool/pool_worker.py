@@ -219,6 +219,34 @@ class Checked:
         return packed
 
 
+def _lose_a_shard(
+    folder: Path, model: torch.nn.Module, optimizer: Any, pool: Pool, out: dict[str, Any]
+) -> None:
+    """Save sharded checkpoints 1 and 2, take rank 1's model shard out of 2, then ask
+    every process which checkpoint is the newest valid one, and why 2 is not."""
+    from dew.pool import _checkpoint as sharded
+
+    for updates in (1, 2):
+        sharded.save(
+            folder,
+            model=model,
+            optimizer=optimizer,
+            pool=pool,
+            updates=updates,
+            position=updates,
+            records=[],
+        )
+    if pool.rank == 0:
+        (folder / "step-00000002" / "__1_0.distcp").unlink()
+    pool.exchange("shard-lost", "")
+    found = sharded.latest(folder, pool)
+    out["latest"] = None if found is None else found.name
+    try:
+        sharded.verify(folder / "step-00000002", pool)
+    except sharded.CheckpointError as exc:
+        out["refused"] = str(exc)
+
+
 def main(config: dict[str, Any]) -> int:
     out_dir = Path(config["out"])
     out: dict[str, Any] = {
@@ -254,6 +282,10 @@ def main(config: dict[str, Any]) -> int:
             out.update(rank=pool.rank, world=pool.world, share=pool.share, reader=pool.reader)
             shard_model(model, pool)
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        if config.get("lose_a_shard"):
+            assert pool is not None
+            _lose_a_shard(Path(config["run_dir"]) / "checkpoints", model, optimizer, pool, out)
+            return code
         objective = GRPOObjective()
         engine = Engine()
         source = ScriptedSource(engine, rank, config.get("fail"), out_dir)

@@ -236,6 +236,17 @@ def _same_steps(a: list[dict], b: list[dict], steps: range) -> None:
         assert x["grad_norm"] == pytest.approx(y["grad_norm"], rel=1e-5), step
 
 
+@pytest.mark.timeout(120)
+def test_a_sharded_checkpoint_missing_one_ranks_shard_is_refused_on_every_process(
+    tmp_path: Path,
+) -> None:
+    run = direct(2, {"lose_a_shard": True, "run_dir": str(tmp_path / "run")}, tmp_path / "out")
+    _ok(run, 2)
+    for out in run.ranks.values():
+        assert out["latest"] == "step-00000001"  # the one before, whole
+        assert "step-00000002/__1_0.distcp" in out["refused"], out["refused"]
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(400)
 def test_a_killed_process_fails_the_pool_and_resume_continues_exactly(tmp_path: Path) -> None:

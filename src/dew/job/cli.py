@@ -1,13 +1,16 @@
 """``dew train CONFIG [--print-config] [--resume] [--section.field VALUE ...]``.
 
 Every config problem, a bad override included, is one line on stderr naming it, exit
-status 2, and no run folder made (:mod:`dew.job.run` checks everything first). Heavy
+status 2, and no run folder made (:mod:`dew.job.run` checks everything first). So is
+a run folder that cannot be resumed from, or a disk that fills up (the checkpoint or
+export being written is removed; the run resumes once there is room). Heavy
 imports wait until a config has been read, so ``dew train --help`` is instant.
 """
 
 from __future__ import annotations
 
 import argparse
+import errno
 import sys
 from collections.abc import Sequence
 
@@ -31,6 +34,7 @@ def parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     args, overrides = parser().parse_known_args(argv)
     from dew.job.config import ConfigError, load_config
+    from dew.train import CheckpointError
 
     config = None
     try:
@@ -42,8 +46,18 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         prepared = prepare(config)
         train(prepared, resume=args.resume, progress=not args.no_progress)
-    except ConfigError as exc:
+    except (ConfigError, CheckpointError) as exc:  # the config or the run folder at fault
         print(f"dew train: error: {exc}", file=sys.stderr)
+        return 2
+    except OSError as exc:
+        if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
+            raise
+        # Records and logs written as the run goes: the run can resume once there is room.
+        print(
+            f"dew train: error: {exc.filename or ''}: no space left on the device; free "
+            "some, then continue with --resume",
+            file=sys.stderr,
+        )
         return 2
     except KeyboardInterrupt:  # Ctrl-C, or SIGTERM (dew.cli): engines stopped on the way
         where = "" if config is None else f" ({config.output.run_dir})"

@@ -18,6 +18,7 @@ bounded by its ``timeout``), for training and evaluation alike.
 from __future__ import annotations
 
 import copy
+import errno
 import json
 import math
 import shutil
@@ -355,17 +356,27 @@ def export(model: Any, tokenizer: Any, folder: Path, config: JobConfig, pool: An
     if writer:
         shutil.rmtree(tmp, ignore_errors=True)  # a killed export's
         tmp.mkdir(parents=True)
-    if pool is not None:
-        from dew.pool import save_pretrained
+    try:
+        if pool is not None:
+            from dew.pool import save_pretrained
 
-        save_pretrained(model, tmp, pool, tokenizer=tokenizer)
-    elif config.model.lora_rank > 0:
-        from dew.job import lora
+            save_pretrained(model, tmp, pool, tokenizer=tokenizer)
+        elif config.model.lora_rank > 0:
+            from dew.job import lora
 
-        lora.export(model, tokenizer, config.model.path, tmp)
-    else:
-        model.save_pretrained(tmp)
-        tokenizer.save_pretrained(tmp)
+            lora.export(model, tokenizer, config.model.path, tmp)
+        else:
+            model.save_pretrained(tmp)
+            tokenizer.save_pretrained(tmp)
+    except OSError as exc:
+        if writer:  # a half export is no export: the folder stays as it was
+            shutil.rmtree(tmp, ignore_errors=True)
+        if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+            raise ConfigError(
+                f"{folder}: no space left on the device for the export "
+                f"({shutil.disk_usage(folder.parent).free / (1 << 20):.1f} MiB free)"
+            ) from exc
+        raise
     if writer:
         _publish(tmp, folder)
 

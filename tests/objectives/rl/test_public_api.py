@@ -7,6 +7,8 @@ import os
 import re
 from pathlib import Path
 
+import pytest
+
 import dew.objectives.rl as rl
 from dew.objectives.rl import scheduler
 
@@ -88,11 +90,16 @@ def test_matches_the_reference_page() -> None:
     """Cross-check against the reference text itself, which lives beside the checkout
     (``../shared``, as CI lays it out) and is never copied into the project."""
     page = Path(os.environ.get("DEW_REFERENCE_PAGE", REFERENCE))
-    # Missing is a failure, not a skip or a pass: a check that did not run proves nothing.
-    assert page.is_file(), (
+    missing = (
         f"the scheduler's reference page is not at {page}: check out shared/ beside the "
         "repository, or set DEW_REFERENCE_PAGE to the page's path"
     )
+    # Under CI (.ci/run sets DEW_REQUIRE_REFERENCE) missing is a failure: a check that
+    # did not run proves nothing. A user's clone has no shared/: skipped, saying why.
+    if not page.is_file():
+        if os.environ.get("DEW_REQUIRE_REFERENCE"):
+            pytest.fail(missing)
+        pytest.skip(missing)
     text = page.read_text()
     block = re.search(r"class RolloutScheduler\((.*?)\)\n", text, re.S)
     assert block is not None
