@@ -26,8 +26,9 @@ callable as ``rollout(model, batch, *, updates) -> packed``:
 a :class:`~dew.objectives.rl.scheduler.RolloutScheduler`, or a plain function.
 Optional attributes make it richer: ``tasks(dataset)``, ``ahead``, ``history``
 (a sequence of :class:`~dew.objectives.rl.scheduler.SchedulerRecord`, one per call),
-``restore_history(records)`` (a resume hands it the checkpoint's) and ``last_tasks``
-(task ids of the last call by outcome).
+``restore_history(records)`` (a resume hands it the checkpoint's), ``last_tasks``
+(task ids of the last call by outcome) and ``last_errors`` (its latest failed attempts,
+``"key: cause: error"``, kept in the step's record as ``errors``).
 
 Exactly once: a checkpoint holds the data position of the next batch and the record
 history; a resume rewrites ``records.jsonl`` to that history and reads the stream
@@ -491,6 +492,9 @@ def fit(
                     record["tasks"] = {k: list(v) for k, v in last_tasks.items()}
                 elif "task_id" in batch:
                     record["tasks"] = {"trained": [str(int(i)) for i in batch["task_id"]]}
+                failed = list(getattr(rollout, "last_errors", ()))
+                if failed:  # each failed attempt's cause and message, not only a count
+                    record["errors"] = failed
                 updates += 1
                 position += 1
                 records.append(record)

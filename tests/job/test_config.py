@@ -10,6 +10,7 @@ import pytest
 from dew.core import SamplingParams
 from dew.job.config import (
     JOB_ROLLOUT_TIMEOUT,
+    JOB_TRUNCATION,
     ConfigError,
     JobConfig,
     load_config,
@@ -42,9 +43,15 @@ def write(tmp_path: Path, text: str = BASE) -> Path:
 def test_defaults_are_the_librarys_own(tmp_path: Path) -> None:
     config = load_config(write(tmp_path))
     assert config.sampling_params() == SamplingParams(max_tokens=8)
-    # The library's, except that a job bounds every rollout attempt (its one own default).
-    assert config.scheduler_config() == SchedulerConfig(timeout=JOB_ROLLOUT_TIMEOUT)
+    # The library's, except that a job bounds every rollout attempt and scores a
+    # completion cut at max_tokens (its single-turn source's verdict stands).
+    knobs = SchedulerConfig(timeout=JOB_ROLLOUT_TIMEOUT, truncation=JOB_TRUNCATION)
+    assert config.scheduler_config() == knobs
     assert SchedulerConfig().timeout is None and JOB_ROLLOUT_TIMEOUT > 0
+    assert SchedulerConfig().truncation == "mask" and JOB_TRUNCATION == "score"
+    assert 'truncation = "score"' in config.to_toml()  # --print-config says so
+    # Every field is printed; an unset one as a comment (TOML has no null).
+    assert "\n# top_k = none\n" in config.to_toml() and "\n# admit = none\n" in config.to_toml()
     objective = config.grpo_objective()
     assert (objective.clip, objective.clip_high, objective.importance_cap) == (0.2, None, 2.0)
     assert config.data.column == "prompt" and not config.data.chat
@@ -73,11 +80,19 @@ clip_high = 0.28
     kl = load_config(write(tmp_path, text), ["--objective.kl_coef", "0.1"])
     assert kl.grpo_objective(reference=object()).kl_coef == 0.1
     assert config.scheduler_config() == SchedulerConfig(
-        groups=16, ahead=2, max_lag=2, estimator="group_std", timeout=JOB_ROLLOUT_TIMEOUT
+        groups=16,
+        ahead=2,
+        max_lag=2,
+        estimator="group_std",
+        timeout=JOB_ROLLOUT_TIMEOUT,
+        truncation=JOB_TRUNCATION,
     )
-    # The job's rollout bound takes another value.
-    other = load_config(write(tmp_path, text), ["--scheduler.timeout", "30"])
+    # The job's own defaults take other values.
+    other = load_config(
+        write(tmp_path, text), ["--scheduler.timeout", "30", "--scheduler.truncation", "mask"]
+    )
     assert other.scheduler_config().timeout == 30.0
+    assert other.scheduler_config().truncation == "mask"
     assert config.grpo_objective().clip_high == 0.28
     assert config.grpo_objective().temperature == 0.5  # the sampling temperature
     assert config.data.column == "msgs" and config.data.chat

@@ -88,7 +88,7 @@ def test_each_way_a_reward_can_fail_is_that_calls_error_naming_it(judge: str) ->
     reward = load_reward(judge, timeout=1.5)  # a non-default timeout takes effect
     with RewardPool([reward]) as pool:
         verifier = verifier_of(pool)
-        assert score(verifier, "4") == {judge: 1.0}
+        assert score(verifier, "4") == {"judge": 1.0}
         t0 = time.monotonic()
         with pytest.raises(RewardError, match=rf"reward {judge} did not return within 1.5 s"):
             score(verifier, "hang")
@@ -102,8 +102,8 @@ def test_each_way_a_reward_can_fail_is_that_calls_error_naming_it(judge: str) ->
         with pytest.raises(RewardError, match=rf"reward {judge} raised ValueError: no answer"):
             score(verifier, "boom")
         # After all of that the pool still scores, with one worker kept.
-        assert score(verifier, "5") == {judge: 0.0}
-        assert score(verifier, "4") == {judge: 1.0}
+        assert score(verifier, "5") == {"judge": 0.0}
+        assert score(verifier, "4") == {"judge": 1.0}
         assert len(pool._idle) == 1 and not pool._busy
 
 
@@ -114,7 +114,7 @@ def test_chaos_a_worker_signalled_mid_call_fails_that_call_alone(
 ) -> None:
     with RewardPool([load_reward(judge, timeout=2.0)]) as pool:
         verifier = verifier_of(pool)
-        assert score(verifier, "4") == {judge: 1.0}
+        assert score(verifier, "4") == {"judge": 1.0}
         where = tmp_path / "pid"
         errors: list[BaseException] = []
 
@@ -133,7 +133,7 @@ def test_chaos_a_worker_signalled_mid_call_fails_that_call_alone(
         why = "was killed by SIGKILL" if sig is signal.SIGKILL else "did not return within 2 s"
         assert len(errors) == 1 and why in str(errors[0]), errors
         assert gone(pid)  # a stopped one is killed and reaped, never reused
-        assert score(verifier, "4") == {judge: 1.0}  # a new worker
+        assert score(verifier, "4") == {"judge": 1.0}  # a new worker
 
 
 @pytest.mark.timeout(60)
@@ -158,7 +158,7 @@ def test_a_ctrl_c_to_the_process_group_is_the_trainers_not_the_rewards(
         caller.start()
         os.kill(int(await_file(where)), signal.SIGINT)
         caller.join(30)
-        assert got == [{f"{slow}:judge": 0.25}]
+        assert got == [{"judge": 0.25}]
 
 
 @pytest.mark.timeout(60)
@@ -167,7 +167,7 @@ def test_close_ends_calls_in_progress_at_once_and_leaves_no_worker(
 ) -> None:
     pool = RewardPool([load_reward(judge, timeout=600.0)])
     verifier = verifier_of(pool)
-    assert score(verifier, "4") == {judge: 1.0}
+    assert score(verifier, "4") == {"judge": 1.0}
     errors: list[BaseException] = []
     pids: list[int] = []
 
@@ -322,3 +322,13 @@ def test_dew_train_outlives_rewards_that_hang_exit_or_interrupt(tmp_path: Path) 
     assert [(e["step"], e["errors"]) for e in evals] == [(1, 0), (2, 0)]
     workers = [int(p.name[4:]) for p in tmp_path.glob("pid-*")]
     assert workers and all(gone(pid, 1.0) for pid in workers)  # none outlived the run
+    # Each failure is in its step's record with its cause, and the first of each kind
+    # of each reward is on screen, once.
+    errors = records[0]["errors"]
+    assert len(errors) == 4 and all(": infra_error: verifier failed: " in e for e in errors)
+    name = f"{tmp_path}/once.py:flaky"
+    said = [line for line in done.stderr.splitlines() if f"reward {name} failed" in line]
+    kinds = ["did not return within 2 s", "raised SystemExit: 3", "raised KeyboardInterrupt"]
+    kinds.append("its process exited with code 9")
+    assert len(said) == 4 and all(any(k in line for line in said) for k in kinds), said
+    assert all(line.startswith(f"dew train: step 1: reward {name} failed: ") for line in said)

@@ -13,6 +13,7 @@ from dew.job.rewards import (
     combine,
     exact_answer,
     final_answer,
+    labels,
     load_reward,
 )
 
@@ -54,7 +55,7 @@ def unscored(prompts, completions, **kwargs):
     assert [r.batched for r in rewards] == [True, False, True]
     verifier = combine(rewards, ROWS, prompt_column="prompt", chat=False)
     parts = verifier(Task("1"), "6", call([9]))
-    assert parts == {f"{path}:trl": 2.0, f"{path}:dew_style": pytest.approx(0.5 * 0.3)}
+    assert parts == {"trl": 2.0, "dew_style": pytest.approx(0.5 * 0.3)}  # named by function
     assert seen == {"prompts": ["3+3="], "completions": ["6"], "ids": [[9]], "level": [2]}
     chat = combine(rewards[:1], ROWS, prompt_column="prompt", chat=True)
     with pytest.raises(RewardError, match="raised AttributeError"):  # a list has no strip
@@ -160,7 +161,14 @@ def test_builtins() -> None:
     builtin = load_reward("dew.job.rewards:exact_answer")
     assert builtin.batched
     verifier = combine([builtin], ROWS, prompt_column="prompt", chat=False)
-    assert verifier(Task("0"), "the answer is \\boxed{4}", call([9])) == {
-        "dew.job.rewards:exact_answer": 1.0
-    }
-    assert verifier(Task("1"), "5", call([9])) == {"dew.job.rewards:exact_answer": 0.0}
+    assert verifier(Task("0"), "the answer is \\boxed{4}", call([9])) == {"exact_answer": 1.0}
+    assert verifier(Task("1"), "5", call([9])) == {"exact_answer": 0.0}
+
+
+def test_rewards_are_named_by_function_unless_two_share_a_name(tmp_path: Path) -> None:
+    path = reward_file(tmp_path, "def exact_answer(task, completion, call):\n    return 1.0\n")
+    mine = load_reward(f"{path}:exact_answer")
+    builtin = load_reward("dew.job.rewards:exact_answer")
+    fmt = load_reward("dew.job.rewards:boxed_format")
+    assert labels([builtin, fmt]) == ["exact_answer", "boxed_format"]
+    assert labels([mine, builtin, fmt]) == [mine.name, builtin.name, "boxed_format"]

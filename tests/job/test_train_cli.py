@@ -118,6 +118,17 @@ def test_dew_train_exports_a_model_transformers_loads(tmp_path: Path, model_dir:
     done = dew_train(str(config(tmp_path, model_dir)))
     assert done.returncode == 0, done.stderr[-3000:]
     run = tmp_path / "run"
+    # What the screen says: the skipped rows, then the end of the run in a few lines.
+    said = [line for line in done.stderr.splitlines() if line.startswith("dew train: ")]
+    assert said[0] == (
+        "dew train: 1 of 4 data rows skipped (empty, or too long for the context with "
+        f"sampling.max_tokens): listed in {run / 'skipped_rows.json'}"
+    )
+    assert said[-4].startswith("dew train: 3 steps in ")
+    assert said[-3].startswith("dew train: mean reward ") and "over the last 1" in said[-3]
+    assert said[-2].startswith("dew train: evaluation at step 3: mean reward ")
+    assert said[-1] == f"dew train: done; exported to {run / 'export'}; plot in {run / 'plot.png'}"
+    assert (run / "plot.png").stat().st_size > 0
     records = [json.loads(line) for line in (run / "records.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == [1, 2, 3]
     assert all(r["metrics"]["kl_reference"] >= 0 for r in records)  # objective.kl_coef
@@ -153,10 +164,6 @@ def test_dew_train_exports_a_model_transformers_loads(tmp_path: Path, model_dir:
         (3, 2, 2, 0),
     ]
     assert all(0 <= e["pass@2"] <= 1 and e["reward/mean"] > 0 for e in evals)  # ids[0] / 100 > 0
-    from dew.plot import plot_run
-
-    assert plot_run(run).stat().st_size > 0
-
     # Resume: on to step 5 from the checkpoint of step 3.
     more = dew_train(str(tmp_path / "run.toml"), "--resume", "--training.steps", "5")
     assert more.returncode == 0, more.stderr[-3000:]
@@ -596,6 +603,36 @@ def test_chaos_an_export_killed_inside_leaves_the_previous_whole_one(tmp_path: P
         assert torch.equal(tensor, first[name]), name
 
 
+@pytest.mark.timeout(300)
+def test_a_reward_that_always_fails_stops_the_run_in_a_short_block_exit_3(
+    tmp_path: Path, model_dir: Path
+) -> None:
+    path = config(tmp_path, model_dir)
+    (tmp_path / "copy_reward.py").write_text(
+        "def copy_reward(prompts, completions, completion_ids, answer, **kwargs):\n"
+        "    return [float(a) / int(c[0]['content'] == 'x') for c, a in zip(completions, answer)]\n"
+    )
+    done = dew_train(str(path), "--output.wandb", "false", "--training.steps", "20")
+    assert done.returncode == 3, done.stderr[-3000:]
+    assert "Traceback" not in done.stderr
+    said = [line for line in done.stderr.splitlines() if line.startswith("dew train: ")]
+    assert "raised ZeroDivisionError: float division by zero" in said[-2]  # shown once
+    assert said[-1].startswith("dew train: stopped: 5 steps in a row (1..5) trained no token")
+    assert "ZeroDivisionError" in said[-1]
+
+
+@pytest.mark.timeout(300)
+def test_masking_most_samples_early_is_a_warning_naming_the_knobs(
+    tmp_path: Path, model_dir: Path
+) -> None:
+    path = config(tmp_path, model_dir, **{'truncation = "score"': 'truncation = "mask"'})
+    done = dew_train(str(path), "--output.wandb", "false", "--sampling.max_tokens", "1")
+    assert done.returncode == 0, done.stderr[-3000:]
+    warned = [line for line in done.stderr.splitlines() if "were masked" in line]
+    assert len(warned) == 1 and warned[0].startswith("dew train: step 1: 100% of the samples")
+    assert "sampling.max_tokens" in warned[0] and "scheduler.truncation = 'score'" in warned[0]
+
+
 @pytest.mark.parametrize(
     ("case", "message"),
     [
@@ -603,6 +640,7 @@ def test_chaos_an_export_killed_inside_leaves_the_previous_whole_one(tmp_path: P
         ("empty", r"data.path: .*copy-chat.jsonl is empty$"),
         ("few rows", r"training.tasks: 8 tasks a step, but data.path has 3 usable rows"),
         ("run_dir a file", r"output.run_dir: .*run is a file, not a run folder"),
+        ("resume nothing", r"output.run_dir: .*run holds no run to resume .*leave out --resume"),
     ],
 )
 def test_data_and_folder_mistakes_are_one_line_exit_2_and_leave_nothing(
@@ -623,6 +661,8 @@ def test_data_and_folder_mistakes_are_one_line_exit_2_and_leave_nothing(
         data.write_bytes(b"")
     elif case == "few rows":
         extra = ["--training.tasks", "8"]
+    elif case == "resume nothing":
+        extra = ["--resume"]
     else:
         (tmp_path / "run").write_text("not a folder")
     before = sorted(p.name for p in tmp_path.iterdir())

@@ -1,9 +1,12 @@
 """``dew train CONFIG [--print-config] [--resume] [--section.field VALUE ...]``.
 
-Every config problem, a bad override included, is one line on stderr naming it, exit
-status 2, and no run folder made (:mod:`dew.job.run` checks everything first). So is
-a run folder that cannot be resumed from, or a disk that fills up (the checkpoint or
-export being written is removed; the run resumes once there is room). Heavy
+Exit status: 0 when the run finished (a summary follows, and ``plot.png`` when the
+``plot`` extra is installed); 2 for every config problem, a bad override included (one
+line on stderr naming it, and no run folder made: :mod:`dew.job.run` checks everything
+first), a run folder that cannot be resumed from, or a disk that fills up (the
+checkpoint or export being written is removed; the run resumes once there is room); 3
+when training stalled (steps in a row trained nothing: the message names the cause and
+the latest failed attempts); 130 on Ctrl-C or SIGTERM (continue with ``--resume``). Heavy
 imports wait until a config has been read, so ``dew train --help`` is instant.
 """
 
@@ -11,8 +14,11 @@ from __future__ import annotations
 
 import argparse
 import errno
+import os
 import sys
+import time
 from collections.abc import Sequence
+from pathlib import Path
 
 __all__ = ["main"]
 
@@ -34,9 +40,10 @@ def parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     args, overrides = parser().parse_known_args(argv)
     from dew.job.config import ConfigError, load_config
-    from dew.train import CheckpointError
+    from dew.train import CheckpointError, TrainingStalled
 
     config = None
+    started = time.monotonic()
     try:
         config = load_config(args.config, overrides)
         if args.print_config:
@@ -59,6 +66,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 2
+    except TrainingStalled as exc:  # every rollout failing or masked: the data or rewards
+        print(f"dew train: stopped: {exc}", file=sys.stderr)
+        return 3
     except KeyboardInterrupt:  # Ctrl-C, or SIGTERM (dew.cli): engines stopped on the way
         where = "" if config is None else f" ({config.output.run_dir})"
         print(
@@ -66,8 +76,23 @@ def main(argv: Sequence[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 130
-    print(f"dew train: done; exported to {config.output.run_dir}/export", file=sys.stderr)
+    if os.environ.get("RANK", "0") == "0":  # under torchrun: one summary for the job
+        _summary(Path(config.output.run_dir), time.monotonic() - started)
     return 0
+
+
+def _summary(run: Path, seconds: float) -> None:
+    from dew.job._report import say, summary
+
+    for line in summary(run, seconds):
+        say(line)
+    try:
+        from dew.plot import plot_run
+
+        drawn = f"plot in {plot_run(run)}"
+    except ImportError:  # the plot extra is not installed
+        drawn = "no plot (pip install 'dew[plot]' to draw one)"
+    say(f"done; exported to {run / 'export'}; {drawn}")
 
 
 if __name__ == "__main__":

@@ -289,11 +289,15 @@ ObjectiveSection = _from_signature(
 # source that hangs, even one that honours its stop event, then costs an attempt, not the
 # run. Seconds from submission (TOML has no null: a very long one lifts the bound).
 JOB_ROLLOUT_TIMEOUT = 600.0
+# A job's source is single-turn RLVR: a completion cut at sampling.max_tokens still has
+# its verifier's reward, and training on it ("score") is what that reward is for. The
+# library's default ("mask") is for agentic limits, where a cut episode has no verdict.
+JOB_TRUNCATION = "score"
 SchedulerSection = create_model(
     "SchedulerSection",
     __base__=_from_dataclass(SchedulerConfig, "_Knobs", skip=("estimator", "truncation")),
     estimator=(str, SchedulerConfig.estimator),
-    truncation=(str, SchedulerConfig.truncation),
+    truncation=(str, JOB_TRUNCATION),
     timeout=(float | None, JOB_ROLLOUT_TIMEOUT),
 )
 
@@ -353,8 +357,9 @@ class JobConfig(_Section):
 
     def to_toml(self) -> str:
         """The resolved config as TOML (what ``--print-config`` prints and the run
-        folder keeps); loading it gives this config back."""
-        return _toml(self.model_dump(exclude_none=True)).lstrip("\n")
+        folder keeps), every field, an unset one as a ``# field = none`` comment;
+        loading it gives this config back."""
+        return _toml(self.model_dump()).lstrip("\n")
 
 
 def load_config(path: str | Path, overrides: Sequence[str] = ()) -> JobConfig:
@@ -502,6 +507,8 @@ def _toml(data: Mapping[str, Any], prefix: str = "") -> str:
         ):
             for item in value:
                 tables.append(f"\n[[{prefix}{key}]]\n" + _toml(item, f"{prefix}{key}."))
+        elif value is None:  # TOML has no null: shown, as a comment, so every field is
+            plain.append(f"# {key} = none\n")
         else:
             plain.append(f"{key} = {_toml_value(value)}\n")
     return "".join(plain) + "".join(tables)

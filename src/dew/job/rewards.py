@@ -13,10 +13,10 @@ have either signature:
 
 :func:`combine` makes one verifier of several weighted functions: the reward is the sum
 of ``weight x value`` over the functions that scored the rollout, and each function's
-share is kept as a named component. A function that raises, returns the wrong number
-of values, or returns something not finite ends the rollout as an error naming the
-function (the source records it with the error text), never as a reward of 0; so does
-a rollout that no function scored.
+share is kept as a component named by the function (:func:`labels`). A function
+that raises, returns the wrong number of values, or returns something not finite ends
+the rollout as an error naming the function (the source records it with the error
+text), never as a reward of 0; so does a rollout that no function scored.
 
 Given a :class:`~dew.job._reward_pool.RewardPool` (as ``dew train`` gives it), each
 call runs in a worker process of the pool, bounded by the function's ``timeout``: a
@@ -110,6 +110,7 @@ def combine(
     caller's thread, unbounded."""
     if not rewards:
         raise RewardError("no reward functions")
+    label = labels(rewards)
 
     def verifier(task: Task, completion: Any, call: Call) -> dict[str, float]:
         row = dict(rows[int(task.id)])
@@ -121,13 +122,20 @@ def combine(
             args = (task, prompt, completion, call, columns, chat)
             value = score(reward, *args) if pool is None else pool.score(index, *args)
             if value is not None:
-                parts[reward.name] = reward.weight * value
+                parts[label[index]] = reward.weight * value
         if not parts:
             names = ", ".join(r.name for r in rewards)
             raise RewardError(f"no reward function scored this rollout ({names} all gave None)")
         return parts
 
     return verifier
+
+
+def labels(rewards: Sequence[Reward]) -> list[str]:
+    """Each reward's name in metrics and records: its function's name (``reward/NAME``),
+    or the whole spec where two rewards share a function name."""
+    short = [r.name.rpartition(":")[2] for r in rewards]
+    return [s if short.count(s) == 1 else r.name for s, r in zip(short, rewards, strict=True)]
 
 
 def score(

@@ -30,6 +30,7 @@ from typing import Any
 
 from dew import _runlock
 from dew._net import API_KEY_ENV
+from dew.job import _report
 from dew.job._reward_pool import RewardPool
 from dew.job.config import ConfigError, JobConfig
 from dew.job.data import Rows, load_rows
@@ -120,6 +121,11 @@ def train(prepared: Prepared, *, resume: bool = False, progress: bool = True) ->
     run = Path(config.output.run_dir)
     if run.exists() and not run.is_dir():
         raise ConfigError(f"output.run_dir: {run} is a file, not a run folder")
+    if resume and not _holds_a_run(run):
+        raise ConfigError(
+            f"output.run_dir: {run} holds no run to resume (no records, no checkpoint); "
+            "leave out --resume to start one there"
+        )
     fresh = not run.exists()
     try:
         with ExitStack() as stack:
@@ -142,6 +148,9 @@ def train(prepared: Prepared, *, resume: bool = False, progress: bool = True) ->
                         (run / "skipped_rows.json").write_text(json.dumps(skipped, indent=1))
                 except OSError as exc:
                     raise ConfigError(f"output.run_dir: {run} cannot be written: {exc}") from None
+                rows = prepared.rows
+                total = len(rows.usable) + len(rows.skipped)
+                _report.skipped(len(rows.skipped), total, run / "skipped_rows.json")
             return _train(prepared, run, pool, stack, resume=resume, progress=progress)
     except ConfigError:
         if fresh:  # refused before it trained: a folder this call made leaves with it
@@ -297,6 +306,8 @@ def _train(
         _lr_schedule(optimizer, config, done),
         _exporter(model, tokenizer, run, config.output.export_every, config, pool),
     ]
+    if rank == 0:
+        log += [_report.reward_failures(), _report.masked_warning()]
     if prepared.eval_rows is not None:
         # Every process decodes alike (a sharded forward is a collective); rank 0 writes.
         own = run if rank == 0 else run / f"rank{rank}"
