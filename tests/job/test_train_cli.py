@@ -164,9 +164,22 @@ def test_dew_train_exports_a_model_transformers_loads(tmp_path: Path, model_dir:
         (3, 2, 2, 0),
     ]
     assert all(0 <= e["pass@2"] <= 1 and e["reward/mean"] > 0 for e in evals)  # ids[0] / 100 > 0
-    # Resume: on to step 5 from the checkpoint of step 3.
-    more = dew_train(str(tmp_path / "run.toml"), "--resume", "--training.steps", "5")
+    # A resume cannot change what its checkpoint and records depend on: one line.
+    first_config = (run / "config.toml").read_text()
+    odd = dew_train(str(tmp_path / "run.toml"), "--resume", "--scheduler.groups", "2")
+    assert odd.returncode == 2 and odd.stderr.count("\n") == 1, odd.stderr[-3000:]
+    assert odd.stderr.startswith("dew train: error: --resume: scheduler.groups (4 -> 2) cannot")
+    assert not list(run.glob("config-resume-*"))
+    # Resume: on to step 5 from the checkpoint of step 3, at another learning rate; the
+    # change is said, and kept beside the first start's config.
+    more = dew_train(
+        str(tmp_path / "run.toml"), "--resume", "--training.steps", "5", "--training.lr", "0.005"
+    )
     assert more.returncode == 0, more.stderr[-3000:]
+    said = "resuming with changed settings: training.steps 3 -> 5, training.lr 0.01 -> 0.005"
+    assert f"dew train: {said}\n" in more.stderr
+    assert (run / "config.toml").read_text() == first_config
+    assert "lr = 0.005" in (run / "config-resume-1.toml").read_text()
     records = [json.loads(line) for line in (run / "records.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == [1, 2, 3, 4, 5]
     # W&B (offline): the resumed run's own W&B run holds every step once, as recorded.

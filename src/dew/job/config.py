@@ -56,7 +56,14 @@ from dew.objectives.rl.grpo import GRPOObjective
 from dew.pool import init_pool
 from dew.train import fit
 
-__all__ = ["ConfigError", "JobConfig", "load_config", "parse_overrides"]
+__all__ = [
+    "FIXED_ON_RESUME",
+    "ConfigError",
+    "JobConfig",
+    "changes",
+    "load_config",
+    "parse_overrides",
+]
 
 
 class ConfigError(ValueError):
@@ -360,6 +367,40 @@ class JobConfig(_Section):
         folder keeps), every field, an unset one as a ``# field = none`` comment;
         loading it gives this config back."""
         return _toml(self.model_dump()).lstrip("\n")
+
+
+# What a resumed run cannot take another value of: its checkpoint holds these weights
+# (model, LoRA), its data position counts batches of these rows (data, tasks, seed), and
+# its records count groups of this size.
+FIXED_ON_RESUME = (
+    "model.path",
+    "model.lora_rank",
+    "model.lora_targets",
+    "data.path",
+    "data.prompt_column",
+    "data.messages_column",
+    "scheduler.groups",
+    "training.tasks",
+    "training.seed",
+)
+
+
+def changes(old: JobConfig, new: JobConfig) -> list[tuple[str, Any, Any]]:
+    """The fields whose value differs, as ``(section.field, old, new)``, in config order."""
+    a, b = _flat(old.model_dump()), _flat(new.model_dump())
+    return [(k, a.get(k), b.get(k)) for k in dict.fromkeys([*a, *b]) if a.get(k) != b.get(k)]
+
+
+def _flat(data: Any, prefix: str = "") -> dict[str, Any]:
+    if isinstance(data, Mapping):
+        return {
+            k: v for key, value in data.items() for k, v in _flat(value, f"{prefix}{key}.").items()
+        }
+    if isinstance(data, (list, tuple)) and data and all(isinstance(v, Mapping) for v in data):
+        return {
+            k: v for i, item in enumerate(data) for k, v in _flat(item, f"{prefix}{i}.").items()
+        }
+    return {prefix[:-1]: list(data) if isinstance(data, tuple) else data}
 
 
 def load_config(path: str | Path, overrides: Sequence[str] = ()) -> JobConfig:

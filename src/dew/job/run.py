@@ -141,8 +141,9 @@ def train(prepared: Prepared, *, resume: bool = False, progress: bool = True) ->
             if _holds_a_run(run) and not resume:
                 raise ConfigError(f"output.run_dir: {run} already holds a run; add --resume")
             if rank == 0:
+                kept = _resumed_config(run, config) if resume else run / "config.toml"
                 try:
-                    (run / "config.toml").write_text(config.to_toml())
+                    kept.write_text(config.to_toml())
                     if prepared.rows.skipped:
                         skipped = {str(i): why for i, why in prepared.rows.skipped.items()}
                         (run / "skipped_rows.json").write_text(json.dumps(skipped, indent=1))
@@ -156,6 +157,28 @@ def train(prepared: Prepared, *, resume: bool = False, progress: bool = True) ->
         if fresh:  # refused before it trained: a folder this call made leaves with it
             shutil.rmtree(run, ignore_errors=True)
         raise
+
+
+def _resumed_config(run: Path, config: JobConfig) -> Path:
+    """Where a resume keeps its config (``config-resume-N.toml``; ``config.toml`` stays
+    the first start's), after saying what changed since the last one; ConfigError for
+    a change a resumed run cannot honour (:data:`~dew.job.config.FIXED_ON_RESUME`)."""
+    from dew.job.config import FIXED_ON_RESUME, changes, load_config
+
+    kept = sorted(run.glob("config-resume-*.toml"), key=lambda p: int(p.stem.rsplit("-", 1)[1]))
+    last = kept[-1] if kept else run / "config.toml"
+    if last.is_file():
+        diff = changes(load_config(last), config)
+        fixed = [f"{k} ({a!r} -> {b!r})" for k, a, b in diff if k in FIXED_ON_RESUME]
+        if fixed:
+            raise ConfigError(
+                f"--resume: {', '.join(fixed)} cannot change in a resumed run (its checkpoint "
+                f"and records depend on it; {last} has the run's value): start a new run"
+            )
+        if diff:
+            said = ", ".join(f"{k} {a!r} -> {b!r}" for k, a, b in diff)
+            _report.say(f"resuming with changed settings: {said}")
+    return run / f"config-resume-{len(kept) + 1}.toml"
 
 
 def _resume_from(run: Path, resume: bool, rank: int) -> Path | bool:
