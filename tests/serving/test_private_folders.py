@@ -93,3 +93,15 @@ def test_a_watchdog_ends_the_server_once_its_launcher_is_killed() -> None:
         if launcher.poll() is None:
             launcher.kill()
             launcher.wait()
+
+
+@pytest.mark.timeout(60)
+def test_a_script_that_exits_without_closing_leaves_no_folder() -> None:
+    """An HTTPEngine (or fleet) the script never closed: its folder goes at exit."""
+    script = "from dew.serving.weights import private_folder\nprint(private_folder('test-'))\n"
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=30, check=True
+    )
+    folder = Path(done.stdout.strip())
+    assert folder.parent == weights_root()
+    assert not folder.exists() and not (folder.parent / f"{folder.name}.lock").exists()

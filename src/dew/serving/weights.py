@@ -28,6 +28,7 @@ Two paths carry the trainer's state dict to every engine under a version number:
 
 from __future__ import annotations
 
+import atexit
 import datetime
 import hashlib
 import json
@@ -244,8 +245,9 @@ _private: dict[Path, tuple[Path, int]] = {}  # folder -> (its lock file, the hel
 
 def private_folder(prefix: str) -> Path:
     """A new folder in :func:`weights_root` for one writer, held (an ``flock`` on
-    ``NAME.lock`` beside it) until :func:`release_folder`. Folders whose writers died
-    without releasing them (a SIGKILL runs no cleanup) are removed first."""
+    ``NAME.lock`` beside it) until :func:`release_folder`, or the interpreter's exit.
+    Folders whose writers died without releasing them (a SIGKILL runs no cleanup) are
+    removed first."""
     import secrets
 
     from dew import _runlock
@@ -263,8 +265,15 @@ def private_folder(prefix: str) -> Path:
     fd = _runlock.lock_file(lock)
     folder = root / name
     folder.mkdir(mode=0o700)
+    if not _private:  # a script that exits without closing its engine leaves nothing
+        atexit.register(_release_all)
     _private[folder] = (lock, fd)
     return folder
+
+
+def _release_all() -> None:
+    for folder in list(_private):
+        release_folder(folder)
 
 
 def release_folder(folder: Path) -> None:
