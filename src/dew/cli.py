@@ -149,6 +149,7 @@ def parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    program = argv is None  # run as the program (dew, python -m dew.cli), not called
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["plan"]:
         # argparse cannot hand a subcommand's leading options through untouched.
@@ -156,9 +157,13 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         return plan_main(argv[1:])
     if argv[:1] == ["serve"]:
+        from dew.serve import exit_now
         from dew.serve import main as serve_main
 
-        return serve_main(argv[1:])
+        code = serve_main(argv[1:])
+        if program:
+            exit_now(code)
+        return code
     if argv[:1] == ["train"]:
         from dew.job.cli import main as train_main
 

@@ -222,5 +222,14 @@ def _serve(args: argparse.Namespace, api_key: str | None, stopping: list[int]) -
     return 0
 
 
+def exit_now(code: int) -> None:
+    """End the server's process once ``main`` has returned: everything it owns is
+    closed by then, and the interpreter's teardown of its heap (the model's libraries)
+    takes seconds that a supervisor's SIGTERM would otherwise wait for."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    exit_now(main(sys.argv[1:]))

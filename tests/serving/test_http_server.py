@@ -722,3 +722,18 @@ def test_joins_to_a_dead_address_are_bounded_and_block_neither_pushes_nor_sigter
                 pending.result().raise_for_status()
     finally:
         s.stop()
+
+
+@pytest.mark.timeout(120)
+def test_an_idle_server_exits_at_once_on_sigterm() -> None:
+    """Its own things closed, the server skips the interpreter's teardown of its heap."""
+    s = launch("--demo", "tiny")
+    try:
+        assert s.client().get("/health").status_code == 200
+        stopping = time.monotonic()
+        s.proc.send_signal(signal.SIGTERM)
+        assert s.proc.wait(timeout=30) == 0
+        # The interpreter's teardown alone takes longer than this.
+        assert time.monotonic() - stopping < 0.6, time.monotonic() - stopping
+    finally:
+        s.stop()
