@@ -222,3 +222,23 @@ def test_the_resolved_config_round_trips_through_toml(tmp_path: Path) -> None:
     again = load_config(write(tmp_path, config.to_toml()))
     assert again == config
     assert isinstance(again, JobConfig)
+
+
+def test_a_list_field_takes_a_plain_value_on_the_command_line(tmp_path: Path) -> None:
+    config = load_config(
+        write(tmp_path),
+        [
+            "--engine.kind",
+            "urls",
+            "--engine.urls",
+            "http://127.0.0.1:1,http://127.0.0.1:2",
+            "--model.lora_targets=q_proj",
+            "--sampling.stop_ids",
+            "7",
+        ],
+    )
+    assert config.engine.urls == ("http://127.0.0.1:1", "http://127.0.0.1:2")
+    assert config.model.lora_targets == ("q_proj",)
+    assert config.sampling_params().stop_ids == (7,)
+    listed = load_config(write(tmp_path), ["--sampling.stop_ids", "[7, 8]"])
+    assert listed.sampling_params().stop_ids == (7, 8)  # TOML lists as before

@@ -19,7 +19,8 @@ types (fields, annotations and defaults), so each default is written once, there
 the library's own checks run on the values. Every field can be
 overridden on the command line as ``--section.field VALUE`` (VALUE read as a TOML
 value, so ``2``, ``0.5``, ``true``, ``[1, 2]`` and ``"text"`` keep their types; a bare
-word is a string; ``none`` clears an optional field).
+word is a string; ``none`` clears an optional field; a list field also takes a plain
+value, one item or items split at commas: ``--engine.urls http://a:1,http://b:2``).
 
 Every problem is a :class:`ConfigError` whose message names the field
 (``scheduler.ahead: ...``), and an unknown key names the closest valid one.
@@ -418,8 +419,24 @@ def load_config(path: str | Path, overrides: Sequence[str] = ()) -> JobConfig:
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"{path}: not valid TOML: {exc}") from None
     for key, value in parse_overrides(overrides):
+        if _is_list(key) and value is not None and not isinstance(value, list):
+            # A list field takes a plain value too: one item, or items split at commas.
+            value = value.split(",") if isinstance(value, str) else [value]
         _set(raw, key, value)
     return check(raw, where=str(path))
+
+
+def _is_list(key: str) -> bool:
+    """Whether ``section.field`` is a list (tuple) field of the config."""
+    parts = key.split(".")
+    section = JobConfig.model_fields.get(parts[0])
+    if len(parts) != 2 or section is None or not isinstance(section.annotation, type):
+        return False
+    field = getattr(section.annotation, "model_fields", {}).get(parts[1])
+    if field is None:
+        return False
+    kinds = [field.annotation, *typing.get_args(field.annotation)]
+    return any(typing.get_origin(k) in (tuple, list) for k in kinds)
 
 
 def check(raw: Mapping[str, Any], where: str = "config") -> JobConfig:
