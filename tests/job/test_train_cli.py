@@ -115,9 +115,19 @@ def dew_train(*args: str, api_key: str | None = None) -> subprocess.CompletedPro
 def test_dew_train_exports_a_model_transformers_loads(tmp_path: Path, model_dir: Path) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    done = dew_train(str(config(tmp_path, model_dir)))
+    samples = {"export_every = 2": "export_every = 2\nsamples_every = 1\nsamples = 3"}
+    done = dew_train(str(config(tmp_path, model_dir, **samples)))
     assert done.returncode == 0, done.stderr[-3000:]
     run = tmp_path / "run"
+    # Samples: 3 of each step's trained rollouts, decoded, with reward and advantage.
+    logged = [json.loads(line) for line in (run / "samples.jsonl").read_text().splitlines()]
+    assert [s["step"] for s in logged] == [1, 1, 1, 2, 2, 2, 3, 3, 3]
+    first = logged[0]
+    assert set(first) == {"step", "task", "sample", "prompt", "completion", "reward", "advantage"}
+    digits = {"0": "123", "1": "456", "2": "789"}  # each task's row, as config() writes it
+    assert all(digits[s["task"]] in s["prompt"] for s in logged)  # the prompt, as text
+    assert all(isinstance(s["completion"], str) and s["reward"] > 0 for s in logged)
+    assert any(s["advantage"] != 0 for s in logged)
     # What the screen says: the skipped rows, then the end of the run in a few lines.
     said = [line for line in done.stderr.splitlines() if line.startswith("dew train: ")]
     assert said[0] == (
@@ -186,6 +196,10 @@ def test_dew_train_exports_a_model_transformers_loads(tmp_path: Path, model_dir:
     logged = wandb_history(run, (run / "wandb_id").read_text())
     assert [h["_step"] for h in logged] == [1, 2, 3, 4, 5]
     assert [h["loss"] for h in logged] == pytest.approx([r["loss"] for r in records])
+    tables = [(h["samples/_type"], h["samples/nrows"]) for h in logged[3:]]
+    assert tables == [("table-file", 3)] * 2  # each new step's samples, a W&B table
+    steps = [json.loads(line)["step"] for line in (run / "samples.jsonl").read_text().splitlines()]
+    assert steps == [s for s in range(1, 6) for _ in range(3)]  # none twice after the resume
     assert len({p.name.rsplit("-", 1)[1] for p in (run / "wandb").glob("offline-run-*")}) == 2
 
 

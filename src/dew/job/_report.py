@@ -8,6 +8,8 @@ so the screen never says something the run folder does not hold:
   step it happened in; every failed attempt is in that step's record, under ``errors``;
 * early in the run, a warning when most samples are masked (cut at
   ``sampling.max_tokens`` and trained on nothing), naming the knobs;
+* every ``output.samples_every`` steps, ``output.samples`` trained samples (prompt,
+  completion, reward, advantage) to ``samples.jsonl``, and to W&B as a table;
 * at the end, a summary: steps, time, reward at the start and the end, the last
   evaluation, and where the export and the plot are.
 
@@ -23,7 +25,9 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-__all__ = ["masked_warning", "reward_failures", "say", "skipped", "summary"]
+__all__ = ["masked_warning", "reward_failures", "samples", "say", "skipped", "summary"]
+
+SAMPLE_COLUMNS = ("step", "task", "sample", "prompt", "completion", "reward", "advantage")
 
 # "key: infra_error: verifier failed: reward NAME raised Kind: message" (or another
 # failure of NAME, such as a bad value or a timeout, after "reward NAME").
@@ -87,6 +91,51 @@ def masked_warning() -> Callable[[Mapping[str, Any]], None]:
             )
 
     return check
+
+
+def samples(
+    path: Path,
+    every: int,
+    count: int,
+    scheduler: Any,
+    decode: Callable[[Sequence[int]], str],
+    table: Callable[[int, Sequence[str], list[list[Any]]], None] | None = None,
+    *,
+    resumed_at: int = 0,
+) -> Callable[[Mapping[str, Any]], None]:
+    """A ``fit`` log callback: every ``every`` steps, the first ``count`` rollouts the
+    step trained (``scheduler.last_samples``, group by group) as JSON lines of ``path``,
+    and to ``table`` (W&B's) when given. A run resumed at step ``resumed_at`` first
+    drops the lines of the steps it trains again, as ``records.jsonl`` does."""
+    if path.exists():
+        kept = [r for r in _jsonl(path) if int(r["step"]) <= resumed_at]
+        path.write_text("".join(json.dumps(r) + "\n" for r in kept))
+
+    def log(record: Mapping[str, Any]) -> None:
+        step = int(record["step"])
+        if step % every:
+            return
+        rows = []
+        for rollout, advantage in list(scheduler.last_samples)[:count]:
+            call = rollout.calls[0] if rollout.calls else None
+            rows.append(
+                [
+                    step,
+                    rollout.task.id,
+                    rollout.key.sample,
+                    "" if call is None else decode(call.prompt),
+                    "" if call is None else decode(call.completion),
+                    rollout.reward,
+                    advantage,
+                ]
+            )
+        with path.open("a") as f:
+            for row in rows:
+                f.write(json.dumps(dict(zip(SAMPLE_COLUMNS, row, strict=True))) + "\n")
+        if table is not None and rows:
+            table(step, SAMPLE_COLUMNS, rows)
+
+    return log
 
 
 def summary(run: Path, seconds: float) -> list[str]:

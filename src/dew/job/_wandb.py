@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import json
 import uuid
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -55,6 +55,12 @@ class WandbSink:
     def _log(self, record: Mapping[str, Any]) -> None:
         values = {k: v for k, v in flatten(record).items() if k not in _SKIP}
         self._run.log(values, step=int(record["step"]))
+
+    def table(self, step: int, columns: Sequence[str], rows: list[list[Any]]) -> None:
+        """A table (the step's samples) at ``step``, beside its record."""
+        import wandb
+
+        self._run.log({"samples": wandb.Table(columns=list(columns), data=rows)}, step=step)
 
     def close(self) -> None:
         self._run.finish()

@@ -259,6 +259,17 @@ class OutputSection(_Section):
     wandb: bool = False  # the wandb extra; a W&B run per run folder
     wandb_project: str = "dew"
     wandb_mode: Literal["offline", "online"] = "offline"
+    # Trained samples (prompt, completion, reward, advantage) to samples.jsonl (and W&B):
+    # `samples` of them every `samples_every` steps (none: no sample log).
+    samples_every: int | None = 10
+    samples: int = 4
+
+    @field_validator("samples_every", "samples")
+    @classmethod
+    def _some(cls, value: int | None) -> int | None:
+        if value is not None and value < 1:
+            raise ValueError("must be >= 1")
+        return value
 
 
 def _from_dataclass(cls: type, name: str, skip: Sequence[str] = ()) -> type[_Section]:

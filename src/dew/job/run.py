@@ -347,6 +347,20 @@ def _train(
         )
         stack.callback(sink.close)
         log.append(sink)
+    if config.output.samples_every is not None and rank == 0:
+        out = config.output
+        table = sink.table if out.wandb else None
+        log.append(
+            _report.samples(
+                run / "samples.jsonl",
+                out.samples_every,
+                out.samples,
+                scheduler,
+                lambda ids: tokenizer.decode(list(ids)),
+                table,
+                resumed_at=done,
+            )
+        )
     if progress and rank == 0:
         from dew._progress import progress_bar
 

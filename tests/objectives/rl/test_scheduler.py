@@ -652,6 +652,10 @@ def test_the_estimator_sets_the_packed_advantages(make, source, trainer, model, 
     assert len(set(np.round(want, 6))) == 3  # the three rewards tell apart
     trained = out["advantages"][out["loss_mask"] > 0]  # 3 completion tokens a rollout
     np.testing.assert_allclose(np.sort(trained), np.sort(np.repeat(want, 3)), rtol=1e-5)
+    # last_samples: each trained rollout with its own advantage (what a sample log shows).
+    got = {r.reward: a for r, a in s.last_samples}
+    assert sorted(got) == sorted(rewards)
+    np.testing.assert_allclose([got[r] for r in rewards], want, rtol=1e-5)
 
 
 def test_support_capacity_packs_the_support_of_filtered_sampling(

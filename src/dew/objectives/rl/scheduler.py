@@ -109,6 +109,24 @@ _NO_HOOKS = SchedulerHooks()
 _RecordT = TypeVar("_RecordT")
 
 
+def _with_advantages(
+    groups: Sequence[Sequence[Rollout]], packed: Sequence[int], out: Batch
+) -> list[tuple[Rollout, float]]:
+    """The rollouts of the ``packed`` groups with the advantage pack gave each (0 for a
+    member that trains nothing), read from the batch where their completions sit."""
+    first = np.cumsum([0, *(len(g) for g in groups)])  # flat index of each group's first
+    at = np.asarray(out["rollout_index"]).reshape(-1)  # [rows * width]
+    where = np.asarray(out["completion_mask"]).reshape(-1).astype(bool) & (at >= 0)
+    index, slot = np.unique(at[where], return_index=True)
+    values = np.asarray(out["advantages"]).reshape(-1)[where][slot]
+    advantage = dict(zip(index.tolist(), values.tolist(), strict=True))
+    return [
+        (rollout, float(advantage.get(int(first[g]) + i, 0.0)))
+        for g in packed
+        for i, rollout in enumerate(groups[g])
+    ]
+
+
 class SourceStuck(RuntimeError):
     """Every worker of the source is held by a rollout that ignored its cancel."""
 
@@ -216,6 +234,8 @@ class RolloutScheduler:
         self.last_tasks: dict[str, list[str]] = {}
         # The latest failed attempts seen by the last call ("key: cause: error"), newest last.
         self.last_errors: list[str] = []
+        # The last call's trained rollouts, each with its advantage (what a sample log shows).
+        self.last_samples: list[tuple[Rollout, float]] = []
         self._opened = False  # set when the task stream first opens: hooks are fixed then
         self._install(_NO_HOOKS)
         self._served: int | None = None  # trainer-thread view of the pushed version
@@ -439,6 +459,7 @@ class RolloutScheduler:
             metrics=metrics,
         )
         self.last_errors = list(consumed.errors)
+        self.last_samples = _with_advantages(consumed.groups, stats.packed, out)
         self.last_tasks = {
             "trained": [consumed.groups[i][0].task.id for i in stats.packed],
             "cut": [consumed.groups[i][0].task.id for i in stats.cut],
