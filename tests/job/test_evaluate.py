@@ -86,3 +86,25 @@ def test_eval_config_is_checked(tmp_path: Path) -> None:
     path.write_text(BASE.replace("steps = 10", "steps = 10\neval_every = 5"))
     with pytest.raises(ConfigError, match=r"training\.eval_every: set data\.eval_path"):
         load_config(path)
+
+
+def test_probe_tries_the_first_rows_on_the_models_own_short_completions(
+    setup: tuple[Any, Any, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import dew.job.evaluate as evaluate_module
+
+    model, tok, rows = setup
+    seen: list[tuple[str, int]] = []
+
+    def fails_on_row_1(task: Task, text: str, call: Call) -> dict[str, float]:
+        seen.append((task.id, len(call.completion)))
+        if task.id == "1":
+            raise RewardError("reward r raised KeyError: 'answer'")
+        return {"r": 1.0}
+
+    monkeypatch.setattr(evaluate_module, "PROBE_TOKENS", 5)  # the model has 64 positions
+    sampling = SamplingParams(max_tokens=20)
+    got = evaluate_module.probe(model, tok, rows, fails_on_row_1, sampling, chat=False, seed=0)
+    assert got == (1, 3, "reward r raised KeyError: 'answer'")
+    assert [t for t, _ in seen] == ["0", "1", "2"]  # one completion of each row
+    assert max(n for _, n in seen) == 5  # cut short: a probe, not a run

@@ -261,15 +261,19 @@ def test_a_worker_sees_the_trainers_import_path(tmp_path: Path) -> None:
         sys.modules.pop("my_rewards_pkg", None)
 
 
-# Each of the first four rows' first call fails its own way, then scores as usual.
+# Each of the four rows' second call (the first is dew train's probe before the first
+# step) fails its own way; every other call scores as usual.
 ONCE = """
 import os, sys, time
 from pathlib import Path
 
 def flaky(prompts, completions, completion_ids, answer, **kwargs):
+    probed = Path(__file__).with_name(f"probed-{answer[0]}")
     mark = Path(__file__).with_name(f"failed-{answer[0]}")
     Path(__file__).with_name(f"pid-{os.getpid()}").touch()
-    if not mark.exists():
+    if not probed.exists():
+        probed.touch()
+    elif not mark.exists():
         mark.touch()
         if answer[0] == "123":
             time.sleep(3600)

@@ -631,19 +631,44 @@ def test_chaos_an_export_killed_inside_leaves_the_previous_whole_one(tmp_path: P
 
 
 @pytest.mark.timeout(300)
-def test_a_reward_that_always_fails_stops_the_run_in_a_short_block_exit_3(
+def test_a_reward_that_fails_on_every_probe_is_a_config_error(
     tmp_path: Path, model_dir: Path
 ) -> None:
+    """Before the first step the rewards are tried on the model's own completions of
+    the first rows; failing on all of them, the run would train nothing: one line."""
     path = config(tmp_path, model_dir)
     (tmp_path / "copy_reward.py").write_text(
         "def copy_reward(prompts, completions, completion_ids, answer, **kwargs):\n"
-        "    return [float(a) / int(c[0]['content'] == 'x') for c, a in zip(completions, answer)]\n"
+        "    return [a.strip() + 1 for a in answer]  # str + int: a TypeError on every row\n"
+    )
+    done = dew_train(str(path), "--output.wandb", "false")
+    assert done.returncode == 2, done.stderr[-3000:]
+    line = done.stderr.strip()
+    assert "\n" not in line and line.startswith("dew train: error: rewards: tried on the ")
+    assert "failed on every one" in line and "raised TypeError" in line
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.timeout(300)
+def test_a_reward_that_fails_after_the_probe_stops_the_run_in_a_short_block_exit_3(
+    tmp_path: Path, model_dir: Path
+) -> None:
+    path = config(tmp_path, model_dir)
+    calls = tmp_path / "calls"
+    (tmp_path / "copy_reward.py").write_text(
+        "from pathlib import Path\n"
+        "def copy_reward(prompts, completions, completion_ids, answer, **kwargs):\n"
+        f"    with open({str(calls)!r}, 'a') as f:\n"
+        "        f.write('.')\n"
+        f"    if len(Path({str(calls)!r}).read_text()) > 3:  # the 3 probe calls pass\n"
+        "        return [1 / int(c[0]['content'] == 'x') for c in completions]\n"
+        "    return [0.5]\n"
     )
     done = dew_train(str(path), "--output.wandb", "false", "--training.steps", "20")
     assert done.returncode == 3, done.stderr[-3000:]
     assert "Traceback" not in done.stderr
     said = [line for line in done.stderr.splitlines() if line.startswith("dew train: ")]
-    assert "raised ZeroDivisionError: float division by zero" in said[-2]  # shown once
+    assert "raised ZeroDivisionError: division by zero" in said[-2]  # shown once
     assert said[-1].startswith("dew train: stopped: 5 steps in a row (1..5) trained no token")
     assert "ZeroDivisionError" in said[-1]
 

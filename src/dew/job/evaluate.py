@@ -13,12 +13,20 @@ counted in ``errors`` (its first message kept), never scored as 0.
 
 Runs on the trainer's thread between two steps (a ``fit`` log callback), so the
 weights do not change under it.
+
+:func:`probe` is the same loop before the first step, on the first training rows: the
+reward functions tried on the starting model's own completions, so that a reward that
+fails on every one (a column it reads missing or of another type, a value that is not
+a number, no function scoring anything) is a config error rather than a run that
+trains nothing.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import json
+import math
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -29,7 +37,10 @@ from dew.job.data import Rows
 from dew.objectives.rl.sources.chat import ChatTokens
 from dew.objectives.rl.sources.prompts import encode_prompt
 
-__all__ = ["evaluate"]
+__all__ = ["PROBE_ROWS", "PROBE_TOKENS", "evaluate", "probe"]
+
+PROBE_ROWS = 4  # data rows the rewards are tried on before the first step
+PROBE_TOKENS = 64  # at most this many tokens of each probe completion
 
 
 def evaluate(
@@ -140,3 +151,34 @@ def recorder(run: Path, evaluate_now: Callable[[], dict[str, Any]], every: int, 
             f.write(json.dumps(result) + "\n")
 
     return maybe
+
+
+def probe(
+    model: Any,
+    tokenizer: Any,
+    rows: Rows,
+    verifier: Callable[[Task, Any, Call], dict[str, float]],
+    sampling: SamplingParams,
+    *,
+    chat: bool,
+    seed: int,
+) -> tuple[int, int, str | None]:
+    """The rewards tried on one completion (at most :data:`PROBE_TOKENS` tokens, at the
+    sampling temperature) of each of the first :data:`PROBE_ROWS` rows: ``(failed,
+    tried, first error)``."""
+    first = dataclasses.replace(rows, usable=rows.usable[:PROBE_ROWS], skipped={})
+    short = dataclasses.replace(sampling, max_tokens=min(sampling.max_tokens, PROBE_TOKENS))
+    temperature = sampling.temperature
+    got = evaluate(
+        model,
+        tokenizer,
+        first,
+        verifier,
+        short,
+        samples=1,
+        temperature=temperature,
+        threshold=math.inf,
+        chat=chat,
+        seed=seed,
+    )
+    return int(got["errors"]), len(first), got.get("first_error")

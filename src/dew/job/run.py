@@ -1,8 +1,9 @@
 """Run a checked :class:`~dew.job.config.JobConfig`: ``dew train`` after parsing.
 
 Order matters for "nothing half-made": the config, the reward functions, the model,
-the tokenizer and every dataset row are loaded and checked before the run folder is
-created, so a config that cannot run leaves nothing behind. Then the run folder gets
+the tokenizer and every dataset row are loaded and checked, and the rewards tried on
+the starting model's own completions of a few rows, before the run folder is created,
+so a config that cannot run leaves nothing behind. Then the run folder gets
 ``config.toml`` (the resolved config), ``skipped_rows.json`` (when rows were skipped),
 ``records.jsonl``, ``checkpoints/`` (exact resume, as :func:`dew.train.fit` does) and
 ``export/`` (``save_pretrained`` of the model and its tokenizer at the end, and
@@ -21,6 +22,7 @@ import copy
 import errno
 import json
 import math
+import os
 import shutil
 import sys
 from contextlib import ExitStack
@@ -106,7 +108,34 @@ def prepare(config: JobConfig) -> Prepared:
         )
     eval_path = config.data.eval_path
     eval_rows = None if eval_path is None else rows_of(eval_path, "data.eval_path")
+    _probe(config, model, tokenizer, rows, rewards)
     return Prepared(config, model, tokenizer, rows, rewards, eval_rows)
+
+
+def _probe(
+    config: JobConfig, model: Any, tokenizer: Any, rows: Rows, rewards: list[Reward]
+) -> None:
+    """The rewards tried before anything is written (:func:`dew.job.evaluate.probe`):
+    ConfigError when they fail on every probe completion, a word when on some."""
+    from dew.job.evaluate import probe
+
+    with RewardPool(rewards) as pool:
+        chat = config.data.chat
+        verifier = combine(rewards, rows, prompt_column=rows.column, chat=chat, pool=pool)
+        sampling = config.sampling_params()
+        failed, tried, first = probe(
+            model, tokenizer, rows, verifier, sampling, chat=chat, seed=config.training.seed
+        )
+    if failed == tried:
+        raise ConfigError(
+            f"rewards: tried on the starting model's own completions of the first {tried} "
+            f"data rows, they failed on every one, so the run would train nothing: {first}"
+        )
+    if failed and os.environ.get("RANK", "0") == "0":
+        _report.say(
+            f"the rewards failed on {failed} of {tried} probe completions (the starting "
+            f"model's, of the first data rows): {first}; such attempts are retried"
+        )
 
 
 def train(prepared: Prepared, *, resume: bool = False, progress: bool = True) -> Any:
