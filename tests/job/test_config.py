@@ -114,6 +114,10 @@ def test_a_vllm_engine_section_keeps_its_fields(tmp_path: Path) -> None:
     assert (engine.urls, engine.weights_dir) == (("http://127.0.0.1:9",), "/dev/shm/w")
     with pytest.raises(ConfigError, match="weights_dir is for engine processes"):
         load_config(write(tmp_path), ["--engine.weights_dir", "/dev/shm/w"])
+    fleet = ["--engine.kind", "fleet", "--engine.router", "cache_aware"]
+    assert load_config(write(tmp_path), fleet).engine.router == "cache_aware"
+    with pytest.raises(ConfigError, match=r'router puts a launched fleet .*kind = "fleet"'):
+        load_config(write(tmp_path), ["--engine.router", "cache_aware"])
 
 
 def test_the_api_key_comes_from_a_file_or_the_environment_and_is_never_saved(

@@ -528,6 +528,31 @@ def test_chaos_a_trainer_killed_takes_its_engines_and_weights_with_it(
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_a_fleet_behind_sglang_router_from_the_config(tmp_path: Path, model_dir: Path) -> None:
+    path = config(tmp_path, model_dir)
+    argv = [sys.executable, "-m", "dew.cli", "train", str(path), "--no-progress"]
+    argv += ["--training.steps", "6", "--output.wandb", "false"]
+    argv += ["--engine.kind", "fleet", "--engine.engines", "2", "--engine.router", "round_robin"]
+    trainer = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        _await_records(trainer, tmp_path / "run", 1, within=300, poll=0.1)
+        children = _children(trainer.pid)
+        routers = {p for p, cmd in children.items() if "sglang_router" in cmd}
+        servers = {p for p, cmd in children.items() if "dew.serve" in cmd}
+        assert len(routers) == 1 and len(servers) == 2, children
+        assert trainer.wait(timeout=300) == 0, trainer.stderr.read()[-3000:]  # type: ignore[union-attr]
+        assert _gone(routers | servers, within=30)
+        records = (tmp_path / "run" / "records.jsonl").read_text().splitlines()
+        assert [json.loads(r)["step"] for r in records] == [1, 2, 3, 4, 5, 6]
+    finally:
+        if trainer.poll() is None:
+            trainer.kill()
+        trainer.wait()
+        trainer.stderr.close()  # type: ignore[union-attr]
+
+
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_chaos_a_run_killed_before_its_first_whole_checkpoint_resumes_from_step_0(
     tmp_path: Path, model_dir: Path

@@ -205,6 +205,9 @@ class EngineSection(_Section):
     # The servers' API key, for urls: read from this file (none: from $DEW_API_KEY, if
     # set). The key itself is never a field, so it is never printed or saved with the run.
     api_key_file: str | None = None
+    # kind = "fleet" only: an sglang-router in front of the engines, with this policy
+    # ("cache_aware", "round_robin", ...; the router extra), started and owned by the run.
+    router: str | None = None
 
     @field_validator("engines")
     @classmethod
@@ -223,6 +226,8 @@ class EngineSection(_Section):
             raise ValueError(f'{", ".join(stray)} apply to kind = "vllm" only')
         if self.kind == "vllm" and self.urls and (self.python or self.args):
             raise ValueError("python and args launch vLLM servers; with urls none is launched")
+        if self.router is not None and self.kind != "fleet":
+            raise ValueError('router puts a launched fleet behind sglang-router: kind = "fleet"')
         if self.weights_dir and self.kind == "in-process":
             raise ValueError("weights_dir is for engine processes; in-process needs none")
         if self.api_key_file is not None:

@@ -580,6 +580,7 @@ def _make_engine(config: JobConfig, model: Any, max_batch: int, stack: ExitStack
             seed=config.training.seed,
             args=["--max-batch", str(max_batch)],
             weights_dir=config.engine.weights_dir,
+            router=config.engine.router,
         )
     elif kind == "vllm":
         engine = _vllm_fleet(config)
