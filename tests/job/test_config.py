@@ -246,3 +246,27 @@ def test_a_list_field_takes_a_plain_value_on_the_command_line(tmp_path: Path) ->
     assert config.sampling_params().stop_ids == (7,)
     listed = load_config(write(tmp_path), ["--sampling.stop_ids", "[7, 8]"])
     assert listed.sampling_params().stop_ids == (7, 8)  # TOML lists as before
+
+
+def test_fields_lists_every_field_with_its_type_default_and_help(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    import typing
+
+    from dew.job.cli import main
+
+    assert main(["--fields"]) == 0
+    text = capsys.readouterr().out
+    listed = [line.strip() for line in text.splitlines() if line.startswith("  ")]
+    want = []
+    for name, info in JobConfig.model_fields.items():
+        section = info.annotation
+        if typing.get_origin(section) is tuple:
+            section = typing.get_args(section)[0]
+        want += [f"{name}.{f}" for f in section.model_fields]
+    assert len(listed) == len(want)
+    # Each has its help: a field added without a word on what it does fails here.
+    assert all("  # " in line and line.split("  # ")[1] for line in listed), [
+        line for line in listed if "  # " not in line
+    ]
+    assert '  truncation: str = "score"  # ' in text and "timeout: float = 60.0" in text

@@ -29,8 +29,14 @@ def parser() -> argparse.ArgumentParser:
         description="Train your own model on your own data and reward functions, as one "
         "TOML config says (see examples/ and the README). Any config field can be "
         "overridden as --section.field VALUE, e.g. --scheduler.ahead 2.",
+        epilog="A config's sections: [model] [data] [[rewards]] [sampling] [scheduler] "
+        "[objective] [training] [engine] [parallel] [output]. `dew train --fields` prints "
+        "every field with its type, default and what it does.",
     )
-    p.add_argument("config", metavar="CONFIG", help="the run's TOML config")
+    p.add_argument("config", metavar="CONFIG", nargs="?", help="the run's TOML config")
+    p.add_argument(
+        "--fields", action="store_true", help="print every config field (type, default, help)"
+    )
     p.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
     p.add_argument("--resume", action="store_true", help="continue the run in output.run_dir")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -38,7 +44,15 @@ def parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args, overrides = parser().parse_known_args(argv)
+    p = parser()
+    args, overrides = p.parse_known_args(argv)
+    if args.fields:
+        from dew.job._fields import fields_text
+
+        print(fields_text(), end="")
+        return 0
+    if args.config is None:
+        p.error("CONFIG is required (or --fields)")
     from dew.job.config import ConfigError, load_config
     from dew.train import CheckpointError, TrainingStalled
 

@@ -84,13 +84,13 @@ class _Section(BaseModel):
 
 
 class ModelSection(_Section):
-    path: str
-    dtype: Literal["float32", "bfloat16"] = "float32"
-    gradient_checkpointing: bool = False
+    path: str  # a Hugging Face model folder (config.json, weights, tokenizer)
+    dtype: Literal["float32", "bfloat16"] = "float32"  # of the trainer's weights
+    gradient_checkpointing: bool = False  # less memory, one more forward per step
     # LoRA (the `lora` extra, peft): 0 trains the whole model.
     lora_rank: int = 0
-    lora_alpha: float = 16.0
-    lora_dropout: float = 0.0
+    lora_alpha: float = 16.0  # LoRA's scale is lora_alpha / lora_rank
+    lora_dropout: float = 0.0  # dropout on the adapter's input
     lora_targets: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj")  # or "all-linear"
 
     @field_validator("lora_rank")
@@ -109,10 +109,10 @@ class ModelSection(_Section):
 
 
 class DataSection(_Section):
-    path: str
+    path: str  # .jsonl/.json/.parquet/.csv, or a save_to_disk folder
     prompt_column: str | None = None  # default "prompt" unless messages_column is set
-    messages_column: str | None = None
-    eval_path: str | None = None
+    messages_column: str | None = None  # chat messages, rendered with the chat template
+    eval_path: str | None = None  # held-out rows for training.eval_every
 
     @property
     def column(self) -> str:
@@ -124,8 +124,8 @@ class DataSection(_Section):
 
 
 class RewardSection(_Section):
-    function: str
-    weight: float = 1.0
+    function: str  # "pkg.mod:fn" or "path/to/file.py:fn" (TRL's signature or dew's)
+    weight: float = 1.0  # the reward is the sum of weight x value over the functions
     timeout: float = REWARD_TIMEOUT  # seconds per call; then its process is killed
 
     @field_validator("function")
@@ -153,13 +153,13 @@ class RewardSection(_Section):
 class TrainingSection(_Section):
     steps: int
     tasks: int = 8  # prompts per step; each makes scheduler.groups rollouts
-    lr: float = 1e-5
-    weight_decay: float = 0.0
+    lr: float = 1e-5  # AdamW's learning rate
+    weight_decay: float = 0.0  # AdamW's
     warmup_steps: int = 0  # lr rises linearly to `lr` over these first steps
     schedule: Literal["constant", "linear", "cosine"] = "constant"  # after warmup, to 0
-    max_grad_norm: float | None = _FIT["max_grad_norm"]
+    max_grad_norm: float | None = _FIT["max_grad_norm"]  # none: no clipping
     micro_batches: int = _FIT["micro_batches"]  # parts of a step's rows, one backward each
-    seed: int = 0
+    seed: int = 0  # the data order, the engine's sampling and torch's
     # Evaluation on data.eval_path (dew.job.evaluate): every eval_every steps and at the end.
     eval_every: int | None = None
     eval_samples: int = 1  # k of pass@k
@@ -189,15 +189,15 @@ class TrainingSection(_Section):
 
 
 class EngineSection(_Section):
-    kind: Literal["in-process", "fleet", "urls", "vllm"] = "in-process"
+    kind: Literal["in-process", "fleet", "urls", "vllm"] = "in-process"  # where rollouts run
     engines: int = 2  # kind = "fleet" or "vllm": local engine processes
     urls: tuple[str, ...] = ()  # kind = "urls": dew serve servers; "vllm": vLLM servers
     # kind = "vllm" only: the vLLM environment's interpreter for launched servers (none:
     # $DEW_VLLM_PYTHON), more vLLM server flags, and what a weight push does to the
     # requests in flight (none: VLLMEngine's default).
     python: str | None = None
-    args: tuple[str, ...] = ()
-    on_load: Literal["recompute", "keep"] | None = None
+    args: tuple[str, ...] = ()  # kind = "vllm": more vLLM server flags
+    on_load: Literal["recompute", "keep"] | None = None  # kind = "vllm": see above
     # Where weight pushes are written for engine processes to read (none: a private
     # folder in shared memory); servers started elsewhere must be able to read it (a vLLM
     # server reads only its DEW_VLLM_WEIGHTS_DIR, when set).
@@ -256,18 +256,18 @@ class EngineSection(_Section):
 
 
 class OutputSection(_Section):
-    run_dir: str
-    checkpoint_every: int | None = _FIT["checkpoint_every"]
-    keep: int = _FIT["keep"]
+    run_dir: str  # the run folder: records, checkpoints, exports, plot
+    checkpoint_every: int | None = _FIT["checkpoint_every"]  # steps; and one at the end
+    keep: int = _FIT["keep"]  # checkpoints kept (a run needs room for keep + 1)
     export_every: int | None = None  # save_pretrained folders; one at the end always
-    tensorboard: bool = _FIT["tensorboard"]
+    tensorboard: bool = _FIT["tensorboard"]  # event files, when tensorboard is installed
     wandb: bool = False  # the wandb extra; a W&B run per run folder
-    wandb_project: str = "dew"
-    wandb_mode: Literal["offline", "online"] = "offline"
+    wandb_project: str = "dew"  # the W&B project
+    wandb_mode: Literal["offline", "online"] = "offline"  # offline: wandb sync later
     # Trained samples (prompt, completion, reward, advantage) to samples.jsonl (and W&B):
     # `samples` of them every `samples_every` steps (none: no sample log).
     samples_every: int | None = 10
-    samples: int = 4
+    samples: int = 4  # trained samples logged each samples_every steps
 
     @field_validator("samples_every", "samples")
     @classmethod
