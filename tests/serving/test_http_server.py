@@ -729,7 +729,8 @@ def test_an_idle_server_exits_at_once_on_sigterm() -> None:
     """Its own things closed, the server skips the interpreter's teardown of its heap."""
     s = launch("--demo", "tiny")
     try:
-        assert s.client().get("/health").status_code == 200
+        with s.client() as client:
+            assert client.get("/health").status_code == 200
         stopping = time.monotonic()
         s.proc.send_signal(signal.SIGTERM)
         assert s.proc.wait(timeout=30) == 0

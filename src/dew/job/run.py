@@ -178,9 +178,6 @@ def train(prepared: Prepared, *, resume: bool = False, progress: bool = True) ->
                         (run / "skipped_rows.json").write_text(json.dumps(skipped, indent=1))
                 except OSError as exc:
                     raise ConfigError(f"output.run_dir: {run} cannot be written: {exc}") from None
-                rows = prepared.rows
-                total = len(rows.usable) + len(rows.skipped)
-                _report.skipped(len(rows.skipped), total, run / "skipped_rows.json")
             return _train(prepared, run, pool, stack, resume=resume, progress=progress)
     except ConfigError:
         if fresh:  # refused before it trained: a folder this call made leaves with it
@@ -390,6 +387,9 @@ def _train(
                 resumed_at=done,
             )
         )
+    if rank == 0:  # said once the run stands (its engines up), so it is not taken back
+        total = len(rows.usable) + len(rows.skipped)
+        _report.skipped(len(rows.skipped), total, run / "skipped_rows.json")
     if progress and rank == 0:
         from dew._progress import progress_bar
 
