@@ -43,6 +43,9 @@ def judge(prompts, completions, completion_ids, answer, **kwargs):
     if what.startswith("pid:"):
         Path(what[4:]).write_text(str(os.getpid()))
         time.sleep(3600)
+    if what.startswith("pid now:"):
+        Path(what[8:]).write_text(str(os.getpid()))
+        return [0.0]
     if what == "print":
         print("a line from the reward")
     return [1.0 if what == answer[0] else 0.0]
@@ -336,3 +339,23 @@ def test_dew_train_outlives_rewards_that_hang_exit_or_interrupt(tmp_path: Path) 
     kinds.append("its process exited with code 9")
     assert len(said) == 4 and all(any(k in line for line in said) for k in kinds), said
     assert all(line.startswith(f"dew train: step 1: reward {name} failed: ") for line in said)
+
+
+@pytest.mark.timeout(60)
+def test_chaos_a_large_call_to_a_stopped_idle_worker_is_bounded_too(
+    judge: str, tmp_path: Path
+) -> None:
+    """A request bigger than the pipe holds is written only as the worker reads it: to
+    a stopped worker that never does, the writing itself is bounded by the timeout."""
+    with RewardPool([load_reward(judge, timeout=2.0)]) as pool:
+        verifier = verifier_of(pool)
+        where = tmp_path / "pid"
+        assert score(verifier, f"pid now:{where}") == {"judge": 0.0}
+        pid = int(where.read_text())
+        os.kill(pid, signal.SIGSTOP)  # idle, between calls
+        t0 = time.monotonic()
+        with pytest.raises(RewardError, match="did not return within 2 s"):
+            score(verifier, "x" * 4_000_000)  # far more than a pipe's buffer
+        assert 1.9 < time.monotonic() - t0 < 10
+        assert gone(pid)
+        assert score(verifier, "4") == {"judge": 1.0}  # a new worker

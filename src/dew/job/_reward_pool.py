@@ -29,10 +29,14 @@ working directory. Run as ``python -m dew.job._reward_pool`` it is a worker.
 from __future__ import annotations
 
 import os
+import pickle
+import select
 import signal
+import struct
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Sequence
 from multiprocessing.connection import Connection
 from typing import Any
@@ -47,19 +51,39 @@ START_TIMEOUT = 120.0
 
 
 class _Worker:
-    """One worker process and the two pipes to it."""
+    """One worker process and the two pipes to it. Requests are written without
+    blocking (a stopped worker that reads nothing cannot hold a large one forever), in
+    the framing its :class:`~multiprocessing.connection.Connection` reads."""
 
-    def __init__(self, proc: subprocess.Popen[bytes], send: Connection, recv: Connection) -> None:
+    def __init__(self, proc: subprocess.Popen[bytes], requests: int, recv: Connection) -> None:
         self.proc = proc
-        self.send = send
+        self.requests = requests  # the write end of its request pipe, non-blocking
+        os.set_blocking(requests, False)
         self.recv = recv
+
+    def send(self, message: Any, within: float) -> None:
+        """Write ``message``; TimeoutError if the pipe takes it not all ``within`` s;
+        pickling errors before anything is written."""
+        data = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
+        view = memoryview(struct.pack("!i", len(data)) + data)
+        deadline = time.monotonic() + within
+        while view:
+            left = deadline - time.monotonic()
+            if left <= 0 or not select.select([], [self.requests], [], left)[1]:
+                raise TimeoutError
+            try:
+                view = view[os.write(self.requests, view) :]
+            except BlockingIOError:  # writable, but not for this much: wait again
+                continue
 
     def kill(self) -> None:
         """SIGKILL (by its own pid) and reap; then close the pipes."""
         if self.proc.poll() is None:
             self.proc.kill()
         self.proc.wait()
-        self.send.close()
+        if self.requests >= 0:
+            os.close(self.requests)
+            self.requests = -1
         self.recv.close()
 
     def ended(self) -> str:
@@ -97,18 +121,18 @@ class RewardPool:
         worker = self._take(reward)
         reply: tuple[str, Any] | None = None
         try:
+            deadline = time.monotonic() + reward.timeout  # writing the call counts too
             try:
-                worker.send.send((index, args))
+                worker.send((index, args), reward.timeout)
+            except TimeoutError:
+                raise _late(reward) from None
             except OSError:  # the worker died between calls
                 raise self._lost(reward, worker) from None
             except Exception as exc:  # nothing was sent: the inputs did not pickle
                 reply = ("error", f"reward {reward.name}: its inputs cannot be sent: {exc}")
                 return _value(reply)
-            if not worker.recv.poll(reward.timeout):
-                raise RewardError(
-                    f"reward {reward.name} did not return within {reward.timeout:g} s "
-                    "(stopped; raise the [[rewards]] table's timeout if it needs longer)"
-                )
+            if not worker.recv.poll(max(0.0, deadline - time.monotonic())):
+                raise _late(reward)
             try:
                 reply = worker.recv.recv()
             except (EOFError, OSError):
@@ -181,11 +205,7 @@ class RewardPool:
                     pass_fds=fds,
                     stdin=subprocess.DEVNULL,
                 )
-                worker = _Worker(
-                    proc,
-                    Connection(to_worker, readable=False),
-                    Connection(from_worker, writable=False),
-                )
+                worker = _Worker(proc, to_worker, Connection(from_worker, writable=False))
                 self._busy.add(worker)
         except BaseException:
             os.close(to_worker)
@@ -195,7 +215,15 @@ class RewardPool:
             os.close(requests)
             os.close(replies)
         try:
-            worker.send.send((list(sys.path), [(r.name, r.weight) for r in self.rewards]))
+            specs = [(r.name, r.weight) for r in self.rewards]
+            try:
+                worker.send((list(sys.path), specs), START_TIMEOUT)
+            except TimeoutError:
+                raise RewardError(
+                    f"reward {reward.name}: its worker process took no start"
+                ) from None
+            except OSError:
+                raise self._lost(reward, worker) from None
             if not worker.recv.poll(START_TIMEOUT):
                 raise RewardError(
                     f"reward {reward.name}: its worker process did not import the reward "
@@ -211,6 +239,13 @@ class RewardPool:
             self._give_back(worker, reusable=False)
             raise
         return worker
+
+
+def _late(reward: Reward) -> RewardError:
+    return RewardError(
+        f"reward {reward.name} did not return within {reward.timeout:g} s "
+        "(stopped; raise the [[rewards]] table's timeout if it needs longer)"
+    )
 
 
 def _stopped(reward: Reward) -> RewardError:
