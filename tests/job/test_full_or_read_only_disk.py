@@ -31,6 +31,7 @@ def _namespaces_allowed() -> bool:
     return probe.returncode == 0
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_a_full_disk_is_one_line_leaves_no_partial_checkpoint_and_resumes(
     tmp_path: Path,
@@ -85,6 +86,7 @@ cp -r {run} {out}/after-resume
     assert (resumed / "export" / "model.safetensors").is_file()
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_a_read_only_run_folder_is_one_line_exit_2_for_both_commands(tmp_path: Path) -> None:
     if not _namespaces_allowed():
