@@ -244,10 +244,9 @@ _private: dict[Path, tuple[Path, int]] = {}  # folder -> (its lock file, the hel
 
 
 def private_folder(prefix: str) -> Path:
-    """A new folder in :func:`weights_root` for one writer, held (an ``flock`` on
-    ``NAME.lock`` beside it) until :func:`release_folder`, or the interpreter's exit.
-    Folders whose writers died without releasing them (a SIGKILL runs no cleanup) are
-    removed first."""
+    """A new folder in :func:`weights_root` for one writer, held (``flock`` on ``NAME.lock``
+    beside it) until :func:`release_folder` or the interpreter's exit. Folders of writers
+    that died without releasing them (SIGKILL runs no cleanup) are removed first."""
     import secrets
 
     from dew import _runlock
@@ -265,12 +264,11 @@ def private_folder(prefix: str) -> Path:
     fd = _runlock.lock_file(lock)
     folder = root / name
     folder.mkdir(mode=0o700)
-    if not _private:  # a script that exits without closing its engine leaves nothing
-        atexit.register(_release_all)
     _private[folder] = (lock, fd)
     return folder
 
 
+@atexit.register  # a script that exits without closing its engine leaves nothing
 def _release_all() -> None:
     for folder in list(_private):
         release_folder(folder)
