@@ -70,6 +70,9 @@ class DiskFull(CheckpointError):
     """A checkpoint could not be written for want of space (its partial folder removed)."""
 
 
+# The errnos of a write refused for want of space (the disk, or the user's quota).
+NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
+
 # torch's zip writer reports a short write as a RuntimeError that carries no errno; a
 # disk with less than this left after such an error counts as full.
 _NEARLY_FULL = 1 << 20
@@ -77,7 +80,7 @@ _NEARLY_FULL = 1 << 20
 
 def is_disk_full(exc: BaseException, folder: Path) -> bool:
     """Whether ``exc``, raised while writing under ``folder``, means the disk is full."""
-    if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
+    if isinstance(exc, OSError) and exc.errno in NO_SPACE:
         return True
     if isinstance(exc, RuntimeError | OSError):
         try:

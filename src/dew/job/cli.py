@@ -13,7 +13,6 @@ imports wait until a config has been read, so ``dew train --help`` is instant.
 from __future__ import annotations
 
 import argparse
-import errno
 import os
 import sys
 import time
@@ -53,6 +52,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     if args.config is None:
         p.error("CONFIG is required (or --fields)")
+    from dew._checkpoint import NO_SPACE
     from dew.job.config import ConfigError, load_config
     from dew.train import CheckpointError, TrainingStalled
 
@@ -71,7 +71,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"dew train: error: {exc}", file=sys.stderr)
         return 2
     except OSError as exc:
-        if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
+        if exc.errno not in NO_SPACE:
             raise
         # Records and logs written as the run goes: the run can resume once there is room.
         print(

@@ -7,8 +7,8 @@ so a config that cannot run leaves nothing behind. Then the run folder gets
 ``config.toml`` (the resolved config), ``skipped_rows.json`` (when rows were skipped),
 ``records.jsonl``, ``checkpoints/`` (exact resume, as :func:`dew.train.fit` does) and
 ``export/`` (``save_pretrained`` of the model and its tokenizer at the end, and
-``exports/step-N`` every ``output.export_every`` steps), loadable by ``transformers`` as
-they are, each whole or absent.
+``exports/step-N`` every ``output.export_every`` steps; :mod:`dew.job.export`), loadable
+by ``transformers`` as they are, each whole or absent.
 
 Threads: none of its own; the engine, the source and the scheduler own theirs, and
 each is closed by one ExitStack in the reverse order of its making. Reward functions
@@ -19,7 +19,6 @@ bounded by its ``timeout``), for training and evaluation alike.
 from __future__ import annotations
 
 import copy
-import errno
 import json
 import math
 import os
@@ -36,6 +35,7 @@ from dew.job import _report
 from dew.job._reward_pool import RewardPool
 from dew.job.config import ConfigError, JobConfig
 from dew.job.data import Rows, load_rows
+from dew.job.export import export, exporter
 from dew.job.rewards import Reward, RewardError, combine, load_reward
 
 __all__ = ["Prepared", "prepare", "train"]
@@ -353,7 +353,7 @@ def _train(
     done = _steps_done(run, pool) if resume else 0
     log = [
         _lr_schedule(optimizer, config, done),
-        _exporter(model, tokenizer, run, config.output.export_every, config, pool),
+        exporter(model, tokenizer, run, config.output.export_every, config, pool),
     ]
     if rank == 0:
         log += [_report.reward_failures(), _report.masked_warning()]
@@ -418,65 +418,6 @@ def _train(
     )
     export(model, tokenizer, run / "export", config, pool)
     return result
-
-
-def export(model: Any, tokenizer: Any, folder: Path, config: JobConfig, pool: Any = None) -> None:
-    """``save_pretrained`` of the model and its tokenizer (with its chat template); with
-    LoRA the merged model there and the adapter in ``adapter/``. A sharded model is
-    gathered to rank 0, which writes (every process calls this).
-
-    Whole or not at all, as checkpoints are: it is written into ``.tmp-NAME`` beside
-    ``folder`` and renamed into place, so a kill inside it leaves ``folder`` as it was
-    (absent, or the previous export) and a temporary folder the next export removes."""
-    writer = pool is None or pool.rank == 0
-    tmp = folder.with_name(f".tmp-{folder.name}")
-    if writer:
-        shutil.rmtree(tmp, ignore_errors=True)  # a killed export's
-        tmp.mkdir(parents=True)
-    try:
-        if pool is not None:
-            from dew.pool import save_pretrained
-
-            save_pretrained(model, tmp, pool, tokenizer=tokenizer)
-        elif config.model.lora_rank > 0:
-            from dew.job import lora
-
-            lora.export(model, tokenizer, config.model.path, tmp)
-        else:
-            model.save_pretrained(tmp)
-            tokenizer.save_pretrained(tmp)
-    except OSError as exc:
-        if writer:  # a half export is no export: the folder stays as it was
-            shutil.rmtree(tmp, ignore_errors=True)
-        if exc.errno in (errno.ENOSPC, errno.EDQUOT):
-            raise ConfigError(
-                f"{folder}: no space left on the device for the export "
-                f"({shutil.disk_usage(folder.parent).free / (1 << 20):.1f} MiB free)"
-            ) from exc
-        raise
-    if writer:
-        _publish(tmp, folder)
-
-
-def _publish(tmp: Path, folder: Path) -> None:
-    """Put the whole folder ``tmp`` in ``folder``'s place (the old one goes)."""
-    old = folder.with_name(f".old-{folder.name}")
-    shutil.rmtree(old, ignore_errors=True)
-    if folder.exists():
-        folder.rename(old)
-    tmp.rename(folder)
-    shutil.rmtree(old, ignore_errors=True)
-
-
-def _exporter(
-    model: Any, tokenizer: Any, run: Path, every: int | None, config: JobConfig, pool: Any
-) -> Any:
-    def maybe(record: Any) -> None:
-        step = int(record["step"])
-        if every and step % every == 0:
-            export(model, tokenizer, run / "exports" / f"step-{step}", config, pool)
-
-    return maybe
 
 
 def lr_factor(step: int, *, steps: int, warmup: int, schedule: str) -> float:
