@@ -361,6 +361,7 @@ def _train(
         # Every process decodes alike (a sharded forward is a collective); rank 0 writes.
         own = run if rank == 0 else run / f"rank{rank}"
         log.append(_evaluator(prepared, model, own, sampling, rewards))
+    table = None  # where the sample log also goes: W&B's table, when W&B is on
     if config.output.wandb and rank == 0:
         from dew.job._wandb import WandbSink
 
@@ -373,9 +374,9 @@ def _train(
         )
         stack.callback(sink.close)
         log.append(sink)
+        table = sink.table
     if config.output.samples_every is not None and rank == 0:
         out = config.output
-        table = sink.table if out.wandb else None
         log.append(
             _report.samples(
                 run / "samples.jsonl",
