@@ -86,6 +86,10 @@ EFFECT_TESTS: dict[Callable[..., Any], dict[str, str]] = {
             f"{PROMPTS}::test_submit_path_generates_everything_while_the_only_worker_verifies"
         ),
         "column": f"{PROMPTS}::test_dataset_column_prompts",
+        "group_size": (
+            "objectives/rl/sources/test_group_verifier.py::"
+            "test_with_a_group_size_late_starters_join_and_oversampled_ones_are_not_waited_for"
+        ),
     },
     HarnessSource: {
         "tasks": f"{HARNESS}::test_tasks_hands_the_harness_and_verifier_the_full_task",

@@ -236,8 +236,8 @@ def test_what_a_worker_cannot_take_or_load_is_an_error_and_the_pool_goes_on(
 ) -> None:
     with RewardPool([load_reward(judge)]) as pool:
         with pytest.raises(RewardError, match=rf"reward {judge}: its inputs cannot be sent"):
-            pool.score(0, Task("0"), "p", lambda: 0, CALL, {}, False)  # a lambda never pickles
-        assert pool.score(0, Task("0"), "p", "x", CALL, {"answer": "x"}, False) == 1.0
+            pool.score_many(0, Task("0"), "p", [lambda: 0], [CALL], {}, False)  # never pickles
+        assert pool.score_many(0, Task("0"), "p", ["x"], [CALL], {"answer": "x"}, False) == [1.0]
         assert len(pool._idle) == 1  # the worker that refused the inputs is kept
 
     gone_file = tmp_path / "once.py"
@@ -246,7 +246,7 @@ def test_what_a_worker_cannot_take_or_load_is_an_error_and_the_pool_goes_on(
     gone_file.write_text("raise ImportError('only the first import works')\n")
     with RewardPool([reward]) as pool:
         with pytest.raises(RewardError, match=r"in its worker process: .*only the first import"):
-            pool.score(0, Task("0"), "p", "x", CALL, {}, False)
+            pool.score_many(0, Task("0"), "p", ["x"], [CALL], {}, False)
 
 
 @pytest.mark.timeout(60)
@@ -258,7 +258,7 @@ def test_a_worker_sees_the_trainers_import_path(tmp_path: Path) -> None:
     sys.path.insert(0, str(tmp_path))
     try:
         with RewardPool([load_reward("my_rewards_pkg:judge")]) as pool:
-            assert pool.score(0, Task("0"), "p", "x", CALL, {}, False) == 0.5
+            assert pool.score_many(0, Task("0"), "p", ["x"], [CALL], {}, False) == [0.5]
     finally:
         sys.path.remove(str(tmp_path))
         sys.modules.pop("my_rewards_pkg", None)
@@ -303,6 +303,8 @@ def test_dew_train_outlives_rewards_that_hang_exit_or_interrupt(tmp_path: Path) 
             "tasks = 2": "tasks = 4",
             "steps = 3": "steps = 2",
             "eval_every = 2": "eval_every = 1",
+            # Each step's groups are the only ones running, so every fault is step 1's.
+            "groups = 4": "groups = 4\nahead = 0",
         },
     )
     (tmp_path / "once.py").write_text(ONCE)
@@ -321,8 +323,10 @@ def test_dew_train_outlives_rewards_that_hang_exit_or_interrupt(tmp_path: Path) 
     assert {p.name for p in tmp_path.glob("failed-*")} == {
         f"failed-{d}" for d in ("123", "456", "789", "321")
     }
-    # Each fault cost its sample one attempt, recorded as such; no group was lost.
-    assert records[0]["scheduler"]["resubmitted"] == {"infra_error": 4}
+    # Each fault cost one attempt of each sample of its group (the reward is called once
+    # per group: 4 groups of 4, of either step), recorded as such; no group was lost.
+    resubmitted = [r["scheduler"]["resubmitted"].get("infra_error", 0) for r in records]
+    assert sum(resubmitted) == 16 and set(records[0]["scheduler"]["resubmitted"]) == {"infra_error"}
     assert sorted(records[0]["tasks"]["trained"]) == ["0", "1", "2", "3"]
     assert all(r["scheduler"]["abandoned"] == 0 for r in records)
     evals = [json.loads(line) for line in (run / "eval.jsonl").read_text().splitlines()]
@@ -332,7 +336,7 @@ def test_dew_train_outlives_rewards_that_hang_exit_or_interrupt(tmp_path: Path) 
     # Each failure is in its step's record with its cause, and the first of each kind
     # of each reward is on screen, once.
     errors = records[0]["errors"]
-    assert len(errors) == 4 and all(": infra_error: verifier failed: " in e for e in errors)
+    assert len(errors) == 16 and all(": infra_error: verifier failed: " in e for e in errors)
     name = f"{tmp_path}/once.py:flaky"
     said = [line for line in done.stderr.splitlines() if f"reward {name} failed" in line]
     kinds = ["did not return within 2 s", "raised SystemExit: 3", "raised KeyboardInterrupt"]

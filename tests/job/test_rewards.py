@@ -62,6 +62,51 @@ def unscored(prompts, completions, **kwargs):
         chat(Task("0"), "4", call([9]))
 
 
+def test_a_trl_reward_scores_a_group_in_one_call_and_a_raise_lands_on_its_rows(
+    tmp_path: Path,
+) -> None:
+    path = reward_file(
+        tmp_path,
+        """
+import asyncio
+
+CALLS = []
+
+def sevens(prompts, completions, completion_ids, answer, level, **kwargs):
+    CALLS.append((list(prompts), list(completions), list(answer), list(level)))
+    if any(c.endswith("7") for c in completions):
+        raise ValueError("no sevens")
+    return [len(c) for c in completions]
+
+async def later(prompts, completions, **kwargs):  # TRL takes an async def too
+    await asyncio.sleep(0)
+    return [0.5] * len(completions)
+
+def nan_on_b(prompts, completions, **kwargs):
+    return [float("nan") if c == "b" else 1.0 for c in completions]
+""",
+    )
+    sevens = load_reward(f"{path}:sevens")
+    calls = sevens.fn.__globals__["CALLS"]
+    rewards = [sevens, load_reward(f"{path}:later"), load_reward(f"{path}:nan_on_b")]
+    verifier = combine(rewards, ROWS, prompt_column="prompt", chat=False)
+    texts = ["a", "bb", "ccc"]
+    got = verifier.score_group(Task("1"), texts, [call([1])] * 3)
+    assert got == [
+        {"sevens": 1.0, "later": 0.5, "nan_on_b": 1.0},
+        {"sevens": 2.0, "later": 0.5, "nan_on_b": 1.0},
+        {"sevens": 3.0, "later": 0.5, "nan_on_b": 1.0},
+    ]
+    # One call for the group, the row's prompt and columns repeated per completion.
+    assert calls == [(["3+3="] * 3, texts, ["6"] * 3, [2] * 3)]
+    calls.clear()
+    got = verifier.score_group(Task("0"), ["a", "b7", "b"], [call([1])] * 3)
+    assert len(calls) == 4  # the group's call raised: then one completion at a time
+    assert got[0] == {"sevens": 1.0, "later": 0.5, "nan_on_b": 1.0}
+    assert isinstance(got[1], RewardError) and "raised ValueError: no sevens" in str(got[1])
+    assert isinstance(got[2], RewardError) and "nan_on_b returned nan" in str(got[2])
+
+
 def test_a_failing_reward_is_an_error_naming_it_never_a_zero(tmp_path: Path) -> None:
     path = reward_file(
         tmp_path,
@@ -85,7 +130,7 @@ def text(task, completion, call):
     for name, message in [
         ("boom", r"reward .*:boom raised KeyError"),
         ("nan", r"reward .*:nan returned nan, not a finite number"),
-        ("two", r"reward .*:two: returned \[1.0, 0.0\], not a list of one value"),
+        ("two", r"reward .*:two returned \[1.0, 0.0\], not a list of one value"),
         ("none", r"no reward function scored this rollout"),
         ("text", r"reward .*:text returned '1.0', not a finite number"),
     ]:

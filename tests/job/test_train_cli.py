@@ -21,9 +21,14 @@ from dew.job.cli import main
 from dew.job.run import lr_factor
 
 # TRL's signature. A random model scores 0 on the copy task itself, which gives no
-# update to check; this reward varies within every group from the first step.
+# update to check; this reward varies within every group from the first step. It notes
+# how many completions each call is given, in a file beside it.
 TRL_REWARD = """
+from pathlib import Path
+
 def copy_reward(prompts, completions, completion_ids, answer, **kwargs):
+    with open(Path(__file__).with_name("sizes"), "a") as f:
+        f.write(f"{len(completions)} ")
     assert all(m[-1]["role"] == "user" for m in prompts), prompts
     assert all(c[0]["role"] == "assistant" for c in completions), completions
     rows = zip(completion_ids, completions, answer)
@@ -174,6 +179,12 @@ def test_dew_train_exports_a_model_transformers_loads(tmp_path: Path, model_dir:
         (3, 2, 2, 0),
     ]
     assert all(0 <= e["pass@2"] <= 1 and e["reward/mean"] > 0 for e in evals)  # ids[0] / 100 > 0
+    # The reward is called once per group with the group's completions, as TRL calls it:
+    # the probe's 3 rows one each, then 3 steps x 2 tasks of groups = 4 (a few more may
+    # run ahead), and the evaluations' 2 rows x eval_samples = 2, twice.
+    sizes = [int(n) for n in (tmp_path / "sizes").read_text().split()]
+    assert sizes[:3] == [1, 1, 1] and sizes.count(2) == 4, sizes
+    assert sizes.count(4) >= 6 and set(sizes) <= {1, 2, 3, 4}, sizes
     # A resume cannot change what its checkpoint and records depend on: one line.
     first_config = (run / "config.toml").read_text()
     odd = dew_train(str(tmp_path / "run.toml"), "--resume", "--scheduler.groups", "2")

@@ -48,16 +48,31 @@ class ThreadedSession:
         self._future: Future[Rollout] = Future()
         self._lock = threading.Lock()
         self._callbacks: list[Callable[[Session], None]] = []
+        self._on_cancel: list[Callable[[], None]] | None = []  # None once cancelled
         self._resolved = False
         self._settled = threading.Event()  # set once the callbacks have run
 
     def cancel(self) -> None:
-        if self.stopped_at is None:
-            self.stopped_at = time.monotonic()
+        with self._lock:
+            if self.stopped_at is None:
+                self.stopped_at = time.monotonic()
+            hooks, self._on_cancel = self._on_cancel or [], None
         self.stop.set()
         # A session that has not begun running resolves now: nobody else will.
         if self._future.cancel():
             self._finish()
+        for fn in hooks:
+            fn()
+
+    def on_cancel(self, fn: Callable[[], None]) -> None:
+        """Call ``fn()`` on the first :meth:`cancel` (on the cancelling thread), or now
+        when that came already: for a subclass that holds a session with no thread
+        watching its stop event (say, a finished call waiting to be scored)."""
+        with self._lock:
+            if self._on_cancel is not None:
+                self._on_cancel.append(fn)
+                return
+        fn()
 
     def done(self) -> bool:
         return self._resolved

@@ -7,12 +7,12 @@ a worker process of this pool, which can be killed.
 
 Invariants:
 
-* a call ends, by its function's ``timeout`` at the latest, as the function's value
-  (a float or None, checked in the worker by :func:`dew.job.rewards.score`) or as a
-  :class:`~dew.job.rewards.RewardError` naming the function and what happened: it
-  raised, returned a bad value, did not return in time (its process is killed), raised
-  ``SystemExit``/``KeyboardInterrupt`` (its process is then replaced), or its process
-  ended (exit code or signal);
+* a call scores one task's completions and ends, by its function's ``timeout`` at the
+  latest, with a result per completion (as :func:`dew.job.rewards.score_many` gives
+  them, computed in the worker) or as a :class:`~dew.job.rewards.RewardError` for the
+  whole call naming the function and what happened: it did not return in time (its
+  process is killed), raised ``SystemExit``/``KeyboardInterrupt`` (its process is then
+  replaced), or its process ended (exit code or signal);
 * a worker serves one call at a time and the pool keeps no more workers than calls ran
   at once; a worker whose call did not end with a reply is killed and reaped by the
   caller, never reused;
@@ -42,7 +42,7 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 from dew.core import error_text
-from dew.job.rewards import Reward, RewardError, load_reward, score
+from dew.job.rewards import Reward, RewardError, load_reward, score_many
 
 __all__ = ["START_TIMEOUT", "RewardPool"]
 
@@ -114,9 +114,9 @@ class RewardPool:
         # Made with the first worker: a pool that never ran holds nothing.
         self._lifeline: tuple[int, int] | None = None
 
-    def score(self, index: int, *args: Any) -> float | None:
-        """``rewards[index]``'s value for one completion (the arguments of
-        :func:`dew.job.rewards.score` after the reward), run in a worker process."""
+    def score_many(self, index: int, *args: Any) -> list[float | RewardError | None]:
+        """``rewards[index]``'s results for one task's completions (the arguments of
+        :func:`dew.job.rewards.score_many` after the reward), run in a worker process."""
         reward = self.rewards[index]
         worker = self._take(reward)
         reply: tuple[str, Any] | None = None
@@ -252,10 +252,10 @@ def _stopped(reward: Reward) -> RewardError:
     return RewardError(f"reward {reward.name}: stopped, the reward processes were closed")
 
 
-def _value(reply: tuple[str, Any]) -> float | None:
+def _value(reply: tuple[str, Any]) -> list[float | RewardError | None]:
     kind, value = reply
     if kind == "ok":
-        return value  # type: ignore[no-any-return]
+        return [RewardError(v[1]) if isinstance(v, tuple) else v for v in value]
     raise RewardError(value)
 
 
@@ -279,9 +279,10 @@ def _serve(requests: Connection, replies: Connection) -> None:
             return
         reward = rewards[index]
         try:
-            replies.send(("ok", score(reward, *args)))
-        except RewardError as exc:
-            replies.send(("error", str(exc)))
+            got = score_many(reward, *args)
+            replies.send(
+                ("ok", [("error", str(v)) if isinstance(v, RewardError) else v for v in got])
+            )
         except BaseException as exc:
             # SystemExit, KeyboardInterrupt, ...: the call's failure, told to the
             # trainer; then this process ends (the pool starts another when needed).

@@ -65,7 +65,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 0
         from dew.job.run import prepare, train
 
-        prepared = prepare(config)
+        prepared = prepare(config, resume=args.resume)
         train(prepared, resume=args.resume, progress=not args.no_progress)
     except (ConfigError, CheckpointError) as exc:  # the config or the run folder at fault
         print(f"dew train: error: {exc}", file=sys.stderr)

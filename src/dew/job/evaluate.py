@@ -32,10 +32,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from dew.core import Call, SamplingParams, Task
+from dew.core import Call, SamplingParams, Task, parse_reward
 from dew.job.data import Rows
 from dew.objectives.rl.sources.chat import ChatTokens
-from dew.objectives.rl.sources.prompts import encode_prompt
+from dew.objectives.rl.sources.prompts import GroupVerifier, Verifier, encode_prompt
 
 __all__ = ["PROBE_ROWS", "PROBE_TOKENS", "evaluate", "probe"]
 
@@ -47,7 +47,7 @@ def evaluate(
     model: Any,
     tokenizer: Any,
     rows: Rows,
-    verifier: Callable[[Task, Any, Call], dict[str, float]],
+    verifier: GroupVerifier | Verifier,
     sampling: SamplingParams,
     *,
     samples: int,
@@ -74,16 +74,19 @@ def evaluate(
             )
             best = float("-inf")
             made = _generate(model, prompt, sampling, samples, temperature, stop, generator)
+            texts, calls = [], []
             for completion in made:
                 ended = bool(completion) and completion[-1] in stop
-                text = tokenizer.decode(completion[:-1] if ended else completion)
+                texts.append(tokenizer.decode(completion[:-1] if ended else completion))
                 zeros = [0.0] * len(completion)  # no log-probs: nothing trains on these
-                call = Call(prompt=prompt, completion=completion, log_probs=zeros, version=-1)
-                try:
-                    reward = sum(verifier(Task(str(i)), text, call).values())
-                except ValueError as exc:  # RewardError: named, counted, never a 0
-                    errors.append(str(exc))
+                calls.append(
+                    Call(prompt=prompt, completion=completion, log_probs=zeros, version=-1)
+                )
+            for result in _scores(verifier, Task(str(i)), texts, calls):
+                if isinstance(result, Exception):  # RewardError: named, counted, never a 0
+                    errors.append(str(result))
                     continue
+                reward, _ = parse_reward(result)
                 rewards.append(reward)
                 best = max(best, reward)
             passed += best >= threshold
@@ -97,6 +100,21 @@ def evaluate(
         "errors": len(errors),
         **({"first_error": errors[0]} if errors else {}),
     }
+
+
+def _scores(
+    verifier: GroupVerifier | Verifier, task: Task, texts: list[str], calls: list[Call]
+) -> list[Any]:
+    """One result per completion: its parts, or the exception that failed it."""
+    if isinstance(verifier, GroupVerifier):
+        return list(verifier.score_group(task, texts, calls))
+    out: list[Any] = []
+    for text, call in zip(texts, calls, strict=True):
+        try:
+            out.append(verifier(task, text, call))
+        except ValueError as exc:  # RewardError: named, counted, never a 0
+            out.append(exc)
+    return out
 
 
 def _generate(
@@ -157,7 +175,7 @@ def probe(
     model: Any,
     tokenizer: Any,
     rows: Rows,
-    verifier: Callable[[Task, Any, Call], dict[str, float]],
+    verifier: GroupVerifier | Verifier,
     sampling: SamplingParams,
     *,
     chat: bool,

@@ -5,28 +5,38 @@ have either signature:
 
 * TRL's, batched: ``fn(prompts, completions, completion_ids, **columns)`` returning one
   ``float | None`` per completion (``None``: this function does not score it). A TRL
-  user's reward file works unchanged. For chat data, prompts are message lists and
-  each completion is ``[{"role": "assistant", "content": text}]``, as TRL passes them.
+  user's reward file works unchanged, ``async def`` included. It is called once per
+  group, with the group's completions (the prompt and each column repeated per
+  completion, as TRL repeats them), so a reward model or a batched API keeps its
+  batching. For chat data, prompts are message lists and each completion is
+  ``[{"role": "assistant", "content": text}]``, as TRL passes them. Of what TRL passes
+  besides the columns, dew passes nothing: there is no ``trainer_state``,
+  ``log_extra``, ``log_metric`` or ``environments`` (dew records each function's
+  values itself).
 * dew's verifier: ``fn(task, completion, call)`` returning a float or a mapping of
-  named parts (:class:`~dew.objectives.rl.sources.PromptSource`'s convention); here
-  ``task.data`` is the dataset row, every column.
+  named parts (:class:`~dew.objectives.rl.sources.PromptSource`'s convention), called
+  once per completion; here ``task.data`` is the dataset row, every column.
 
-:func:`combine` makes one verifier of several weighted functions: the reward is the sum
-of ``weight x value`` over the functions that scored the rollout, and each function's
-share is kept as a component named by the function (:func:`labels`). A function
-that raises, returns the wrong number of values, or returns something not finite ends
-the rollout as an error naming the function (the source records it with the error
-text), never as a reward of 0; so does a rollout that no function scored.
+:func:`combine` makes one :class:`~dew.objectives.rl.sources.GroupVerifier` of several
+weighted functions: a completion's reward is the sum of ``weight x value`` over the
+functions that scored it, and each function's share is kept as a component named by
+the function (:func:`labels`). A function that raises, returns the wrong number of
+values, or returns something not finite ends the rollout as an error naming the
+function (the source records it with the error text), never as a reward of 0; so does
+a rollout that no function scored. When a batched call raises, the group's completions
+are scored again one at a time, so the error lands on the rollouts that cause it and
+the others keep their scores.
 
 Given a :class:`~dew.job._reward_pool.RewardPool` (as ``dew train`` gives it), each
 call runs in a worker process of the pool, bounded by the function's ``timeout``: a
 reward that hangs, exits its process, raises ``SystemExit`` or ``KeyboardInterrupt``,
-or is killed is that rollout's error, naming the function and what happened, and it
-cannot hold the run.
+or is killed is an error of every rollout in that call, naming the function and what
+happened, and it cannot hold the run.
 """
 
 from __future__ import annotations
 
+import asyncio
 import importlib
 import importlib.util
 import inspect
@@ -40,6 +50,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from dew.core import Call, Task, error_text
+from dew.objectives.rl.sources import GroupVerifier
 
 __all__ = [
     "REWARD_TIMEOUT",
@@ -49,7 +60,7 @@ __all__ = [
     "combine",
     "exact_answer",
     "load_reward",
-    "score",
+    "score_many",
 ]
 
 # Seconds one reward call may take before its process is killed and the rollout fails.
@@ -92,7 +103,64 @@ def load_reward(spec: str, weight: float = 1.0, timeout: float = REWARD_TIMEOUT)
 
 
 class _Runs(Protocol):
-    def score(self, index: int, *args: Any) -> float | None: ...
+    def score_many(self, index: int, *args: Any) -> list[float | RewardError | None]: ...
+
+
+# A completion's result: its reward's named parts, or the error that fails it.
+_Result = dict[str, float] | RewardError
+
+
+class _Combined(GroupVerifier):
+    """Several weighted reward functions as one verifier (see :func:`combine`)."""
+
+    def __init__(
+        self,
+        rewards: Sequence[Reward],
+        rows: Sequence[Mapping[str, Any]],
+        prompt_column: str,
+        chat: bool,
+        pool: _Runs | None,
+    ) -> None:
+        self.rewards, self.rows, self.prompt_column = tuple(rewards), rows, prompt_column
+        self.chat, self.pool = chat, pool
+        self.labels = labels(rewards)
+
+    def score_group(
+        self, task: Task, completions: Sequence[Any], calls: Sequence[Call]
+    ) -> list[_Result]:
+        row = dict(self.rows[int(task.id)])
+        prompt = row[self.prompt_column]
+        columns = {k: v for k, v in row.items() if k != self.prompt_column}
+        task = Task(task.id, data=row)
+        results: list[_Result] = [{} for _ in completions]
+        for index, reward in enumerate(self.rewards):
+            todo = [i for i, r in enumerate(results) if not isinstance(r, RewardError)]
+            if not todo:
+                break
+            args = (
+                task,
+                prompt,
+                [completions[i] for i in todo],
+                [calls[i] for i in todo],
+                columns,
+                self.chat,
+            )
+            try:
+                if self.pool is None:
+                    values = score_many(reward, *args)
+                else:
+                    values = self.pool.score_many(index, *args)
+            except RewardError as exc:  # the call itself failed: late, killed, stopped
+                values = [exc] * len(todo)
+            for i, value in zip(todo, values, strict=True):
+                parts = results[i]
+                if isinstance(value, RewardError):
+                    results[i] = value
+                elif value is not None and isinstance(parts, dict):
+                    parts[self.labels[index]] = reward.weight * value
+        names = ", ".join(r.name for r in self.rewards)
+        unscored = RewardError(f"no reward function scored this rollout ({names} all gave None)")
+        return [unscored if r == {} else r for r in results]
 
 
 def combine(
@@ -102,7 +170,7 @@ def combine(
     prompt_column: str,
     chat: bool,
     pool: _Runs | None = None,
-) -> Callable[[Task, Any, Call], dict[str, float]]:
+) -> GroupVerifier:
     """One verifier for :class:`~dew.objectives.rl.sources.PromptSource` over ``rows``
     (the dataset; a task id is a row index): see the module docstring. ``chat``: the
     prompts are message lists. ``pool``: the :class:`~dew.job._reward_pool.RewardPool`
@@ -110,25 +178,7 @@ def combine(
     caller's thread, unbounded."""
     if not rewards:
         raise RewardError("no reward functions")
-    label = labels(rewards)
-
-    def verifier(task: Task, completion: Any, call: Call) -> dict[str, float]:
-        row = dict(rows[int(task.id)])
-        prompt = row[prompt_column]
-        columns = {k: v for k, v in row.items() if k != prompt_column}
-        task = Task(task.id, data=row)
-        parts: dict[str, float] = {}
-        for index, reward in enumerate(rewards):
-            args = (task, prompt, completion, call, columns, chat)
-            value = score(reward, *args) if pool is None else pool.score(index, *args)
-            if value is not None:
-                parts[label[index]] = reward.weight * value
-        if not parts:
-            names = ", ".join(r.name for r in rewards)
-            raise RewardError(f"no reward function scored this rollout ({names} all gave None)")
-        return parts
-
-    return verifier
+    return _Combined(rewards, rows, prompt_column, chat, pool)
 
 
 def labels(rewards: Sequence[Reward]) -> list[str]:
@@ -138,40 +188,93 @@ def labels(rewards: Sequence[Reward]) -> list[str]:
     return [s if short.count(s) == 1 else r.name for s, r in zip(short, rewards, strict=True)]
 
 
-def score(
+def score_many(
     reward: Reward,
     task: Task,
     prompt: Any,
-    completion: Any,
-    call: Call,
+    completions: Sequence[Any],
+    calls: Sequence[Call],
     row: Mapping[str, Any],
     chat: bool,
-) -> float | None:
-    """``reward``'s value for one completion (None: not scored); RewardError naming it
-    when it raises an ``Exception`` or returns something that is not a finite number."""
+) -> list[float | RewardError | None]:
+    """``reward``'s value for each completion of one task (None: not scored), or the
+    :class:`RewardError` naming it that fails that completion: it raised an
+    ``Exception`` or gave something that is not a finite number. A batched function is
+    called once for all; when that call raises, once per completion (see the module
+    docstring)."""
+    pairs = list(zip(completions, calls, strict=True))
+    if not reward.batched:
+        return [_verify(reward, task, completion, call) for completion, call in pairs]
     try:
-        if reward.batched:
-            text = [{"role": "assistant", "content": completion}] if chat else completion
-            got = reward.fn(
-                prompts=[prompt],
-                completions=[text],
-                completion_ids=[list(call.completion)],
-                **{k: [v] for k, v in row.items()},
-            )
-            if not isinstance(got, Sequence) or isinstance(got, (str, bytes)) or len(got) != 1:
-                raise RewardError(f"returned {got!r}, not a list of one value per completion")
-            value = got[0]
-        else:
-            value = reward.fn(task, completion, call)
-            if isinstance(value, Mapping):
-                value = sum(_finite(reward, v) for v in value.values())
+        return _batch(reward, prompt, completions, calls, row, chat)
     except RewardError as exc:
-        raise RewardError(f"reward {reward.name}: {exc}") from None
+        if len(pairs) == 1 or exc.__cause__ is None:  # a bad reply is the call's, not a row's
+            return [exc] * len(pairs)
+    return [_alone(reward, prompt, completion, call, row, chat) for completion, call in pairs]
+
+
+def _batch(
+    reward: Reward,
+    prompt: Any,
+    completions: Sequence[Any],
+    calls: Sequence[Call],
+    row: Mapping[str, Any],
+    chat: bool,
+) -> list[float | RewardError | None]:
+    """One call of a TRL-signature function on ``completions``; RewardError (with the
+    exception as its cause) when it raises, without a cause when its reply is not one
+    value per completion."""
+    n = len(completions)
+    texts = [[{"role": "assistant", "content": c}] if chat else c for c in completions]
+    try:
+        got = reward.fn(
+            prompts=[prompt] * n,
+            completions=texts,
+            completion_ids=[list(call.completion) for call in calls],
+            **{k: [v] * n for k, v in row.items()},
+        )
+        if inspect.iscoroutine(got):  # an async def, as TRL allows
+            got = asyncio.run(got)
     except Exception as exc:
         raise RewardError(f"reward {reward.name} raised {error_text(exc)}") from exc
+    if not isinstance(got, Sequence) or isinstance(got, (str, bytes)) or len(got) != n:
+        raise RewardError(
+            f"reward {reward.name} returned {got!r:.80}, not a list of one value per "
+            f"completion ({n})"
+        )
+    return [_checked(reward, value) for value in got]
+
+
+def _alone(
+    reward: Reward, prompt: Any, completion: Any, call: Call, row: Mapping[str, Any], chat: bool
+) -> float | RewardError | None:
+    try:
+        return _batch(reward, prompt, [completion], [call], row, chat)[0]
+    except RewardError as exc:
+        return exc
+
+
+def _verify(reward: Reward, task: Task, completion: Any, call: Call) -> float | RewardError | None:
+    """A dew-signature function on one completion; a mapping of parts counts as its sum."""
+    try:
+        value = reward.fn(task, completion, call)
+    except Exception as exc:
+        return RewardError(f"reward {reward.name} raised {error_text(exc)}")
+    if not isinstance(value, Mapping):
+        return _checked(reward, value)
+    try:
+        return sum(_finite(reward, v) for v in value.values())
+    except RewardError as exc:
+        return exc
+
+
+def _checked(reward: Reward, value: Any) -> float | RewardError | None:
     if value is None:
         return None
-    return _finite(reward, value)
+    try:
+        return _finite(reward, value)
+    except RewardError as exc:
+        return exc
 
 
 def _finite(reward: Reward, value: Any) -> float:

@@ -53,8 +53,10 @@ class Prepared:
     eval_rows: Rows | None = None
 
 
-def prepare(config: JobConfig) -> Prepared:
-    """Load and check what the run needs; ConfigError naming the first problem."""
+def prepare(config: JobConfig, *, resume: bool = False) -> Prepared:
+    """Load and check what the run needs; ConfigError naming the first problem (the
+    run folder's first: it costs nothing to check, the reward probe does)."""
+    _check_run_folder(Path(config.output.run_dir), resume)
     import datasets
     import torch
     import transformers
@@ -148,13 +150,7 @@ def train(prepared: Prepared, *, resume: bool = False, progress: bool = True) ->
     """
     config = prepared.config
     run = Path(config.output.run_dir)
-    if run.exists() and not run.is_dir():
-        raise ConfigError(f"output.run_dir: {run} is a file, not a run folder")
-    if resume and not _holds_a_run(run):
-        raise ConfigError(
-            f"output.run_dir: {run} holds no run to resume (no records, no checkpoint); "
-            "leave out --resume to start one there"
-        )
+    _check_run_folder(run, resume)
     fresh = not run.exists()
     try:
         with ExitStack() as stack:
@@ -183,6 +179,16 @@ def train(prepared: Prepared, *, resume: bool = False, progress: bool = True) ->
         if fresh:  # refused before it trained: a folder this call made leaves with it
             shutil.rmtree(run, ignore_errors=True)
         raise
+
+
+def _check_run_folder(run: Path, resume: bool) -> None:
+    if run.exists() and not run.is_dir():
+        raise ConfigError(f"output.run_dir: {run} is a file, not a run folder")
+    if resume and not _holds_a_run(run):
+        raise ConfigError(
+            f"output.run_dir: {run} holds no run to resume (no records, no checkpoint); "
+            "leave out --resume to start one there"
+        )
 
 
 def _resumed_config(run: Path, config: JobConfig) -> Path:
@@ -336,6 +342,7 @@ def _train(
         sampling=sampling,
         tokenizer=tokenizer,
         chat_template=config.data.chat,
+        group_size=groups,  # a TRL reward gets each group's completions in one call
     )
     stack.callback(source.close)
     # Closed before the source: reward calls in progress end at once, so the source's

@@ -323,18 +323,18 @@ def test_abandoning_cancels_the_running_samples_and_discards_the_admitted() -> N
     assert consumed is not None and consumed.groups == [] and consumed.abandoned == [Task("a")]
 
 
-def test_errors_keep_the_latest_eight_and_are_handed_over_once() -> None:
-    adm = admission(max_attempts=20, max_lag=1)
+def test_errors_keep_the_latest_ones_and_are_handed_over_once() -> None:
+    adm = admission(max_attempts=100, max_lag=1)
     adm.register([Task("a")])
     adm.register([Task("b")])
     adm.call(0, 0.0)
-    for attempt in range(10):
+    for attempt in range(70):
         finish(adm, K(0, 0, attempt), Status.INFRA_ERROR, error=str(attempt))
-    finish(adm, K(0, 0, 10))
+    finish(adm, K(0, 0, 70))
     consumed, _ = adm.consume(0, 1.0)
     assert consumed is not None
-    assert consumed.errors == [
-        f"rollout(group=0, sample=0, attempt={i}): infra_error: {i}" for i in range(2, 10)
+    assert consumed.errors == [  # the latest 64
+        f"rollout(group=0, sample=0, attempt={i}): infra_error: {i}" for i in range(6, 70)
     ]
     adm.call(1, 1.0)
     finish(adm, K(1, 0))

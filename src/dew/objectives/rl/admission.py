@@ -145,7 +145,7 @@ def _set_state(g: _Group, state: _G) -> None:
     g.state = state
 
 
-_ERRORS_KEPT = 8  # failed attempts remembered between two trainer calls
+_ERRORS_KEPT = 64  # failed attempts remembered between two trainer calls (the latest)
 
 
 @dataclass

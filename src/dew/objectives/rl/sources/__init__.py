@@ -1,6 +1,7 @@
 """Where rollouts come from: sources the scheduler starts sessions on.
 
-* :class:`PromptSource`: single-turn prompts scored by a verifier;
+* :class:`PromptSource`: single-turn prompts scored by a verifier (or a
+  :class:`GroupVerifier`, a group's completions in one call);
 * :class:`EnvironmentSource`: multi-turn episodes against an in-process environment;
 * :class:`ChatTokens`: chat-template prompts extended token-exactly, turn by turn.
 
@@ -15,13 +16,14 @@ from dew.objectives.rl.sources.environment import (
     EnvironmentSource,
     Observation,
 )
-from dew.objectives.rl.sources.prompts import PromptSource, Verifier
+from dew.objectives.rl.sources.prompts import GroupVerifier, PromptSource, Verifier
 
 __all__ = [
     "AgentError",
     "ChatTokens",
     "Environment",
     "EnvironmentSource",
+    "GroupVerifier",
     "Observation",
     "PromptSource",
     "Verifier",

@@ -15,6 +15,16 @@ The verifier is called as ``verifier(task, completion, call)``:
 and returns a float, or a mapping of named reward parts whose sum is the reward (the
 parts are kept as the rollout's ``components``).
 
+A :class:`GroupVerifier` instead scores a group's completions in one call
+(``score_group(task, completions, calls)``, one result per completion), for a reward
+model or a batched API that keeps its batching. The source holds each finished
+completion until ``group_size`` completions of its group are in (the scheduler's
+``groups``, which admission waits for anyway), or until none of the group is still
+generating and ``group_size`` of its attempts have ended; then it scores the waiting
+ones together. Without ``group_size`` it scores them once none of the group is still
+generating. A rollout cancelled while it waits resolves at once, unscored; a retry
+started after its group was scored is scored on its own.
+
 Outcomes: the engine stopping on a stop token gives ``COMPLETED``; reaching
 ``sampling.max_tokens`` gives ``TRUNCATED`` with ``truncation="length"``, still scored (the
 scheduler's truncation policy decides what that score is worth). A verifier that
@@ -39,6 +49,7 @@ which is filled under a lock.
 from __future__ import annotations
 
 import threading
+from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future
 from functools import partial
@@ -61,11 +72,32 @@ from dew.core import (
     error_text,
     parse_reward,
 )
+from dew.objectives.rl.sources._gather import Gathering
 from dew.objectives.rl.sources.chat import ChatTokens, resolve_stop_ids
 
-__all__ = ["PromptSource", "Verifier"]
+__all__ = ["GroupVerifier", "PromptSource", "Verifier"]
 
 Verifier = Callable[[Task, "str | list[int]", Call], "float | Mapping[str, float]"]
+
+
+class GroupVerifier(ABC):
+    """A verifier that scores the completions of one group (one task) in one call."""
+
+    @abstractmethod
+    def score_group(
+        self, task: Task, completions: Sequence[str | list[int]], calls: Sequence[Call]
+    ) -> Sequence[float | Mapping[str, float] | Exception]:
+        """One result per completion, in order: its reward (a float or named parts), or
+        the exception that fails that rollout alone. Raising fails every rollout given."""
+
+    def __call__(
+        self, task: Task, completion: str | list[int], call: Call
+    ) -> float | Mapping[str, float]:
+        """One completion's reward, as a plain :data:`Verifier`."""
+        (result,) = self.score_group(task, [completion], [call])
+        if isinstance(result, Exception):
+            raise result
+        return result
 
 
 def token_ids(value: object, name: str) -> list[int]:
@@ -110,19 +142,22 @@ class PromptSource(ThreadedSource):
 
     ``prompts`` may also be a table (a ``datasets.Dataset``) with ``column`` naming the
     column of prompts; a table without ``column`` is refused at construction.
+    ``group_size``: with a :class:`GroupVerifier`, the scheduler's ``groups`` (how many
+    completions of a group to score together; see the module docstring).
     """
 
     def __init__(
         self,
         engine: Engine,
         prompts: Sequence[Any],
-        verifier: Verifier,
+        verifier: Verifier | GroupVerifier,
         *,
         sampling: SamplingParams,
         tokenizer: Any = None,
         chat_template: bool = False,
         workers: int = 8,
         column: str | None = None,
+        group_size: int | None = None,
     ) -> None:
         if not hasattr(prompts, "__getitem__") or not hasattr(prompts, "__len__"):
             raise ValueError(f"prompts must be a sequence, got {type(prompts).__name__}")
@@ -151,15 +186,26 @@ class PromptSource(ThreadedSource):
         self._chat = ChatTokens(tokenizer) if chat_template else None
         self._encoded: dict[int, list[int]] = {}
         self._encoded_lock = threading.Lock()
+        # Finished calls of a GroupVerifier's groups, held until the group is in.
+        self._gathering: Gathering[RolloutKey, tuple[ThreadedSession, Call]] | None = None
+        if isinstance(verifier, GroupVerifier):
+            if group_size is not None and (
+                isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 1
+            ):
+                raise ValueError(f"group_size must be an int >= 1, got {group_size!r}")
+            self._gathering = Gathering(group_size)
+        self._gathering_lock = threading.Lock()
 
     def start(self, task: Task, key: RolloutKey) -> Session:
         index = task_index(task, key, len(self.prompts))  # a bad id is the caller's bug
         session = self.begin(task, key)
+        self._gather("started", session)
         try:
             pending = self.engine.submit(
                 self.prompt_ids(index), self.sampling, stop=session.stop, affinity=key.group
             )
         except BaseException as exc:  # resolves the session as run() raising would
+            self._gather("dropped", session)
             self.settle(session, partial(_reraise, exc))
             return session
         pending.add_done_callback(partial(self._generated, session))
@@ -168,6 +214,10 @@ class PromptSource(ThreadedSource):
     def _generated(self, session: ThreadedSession, pending: Future[Call]) -> None:
         """The engine answered (on its thread): score on the pool, or resolve now."""
         error = pending.exception()
+        if error is None and self._gathering is not None:
+            self._gather("generated", session, pending.result())
+            return
+        self._gather("dropped", session)
         if isinstance(error, Aborted):
             self.settle(session, partial(cancelled_rollout, session.task, session.key))
         elif isinstance(error, EngineError):  # lost to a fault: the sample runs again
@@ -177,6 +227,68 @@ class PromptSource(ThreadedSource):
         else:
             call = pending.result()
             self.settle_on_pool(session, partial(self._score, session.task, session.key, call))
+
+    def _gather(self, event: str, session: ThreadedSession, call: Call | None = None) -> None:
+        """Tell the group gathering (a GroupVerifier's) what became of ``session``;
+        score the group on the pool once it is in."""
+        gathering, key = self._gathering, session.key
+        if gathering is None:
+            return
+        with self._gathering_lock:
+            if event == "started":
+                gathering.started(key.group, key, retry=key.attempt > 0)
+                return
+            if event == "dropped":
+                ready = gathering.dropped(key.group, key)
+            else:
+                assert call is not None
+                ready = gathering.generated(key.group, key, (session, call))
+        if event == "generated":
+            session.on_cancel(partial(self._withdraw, session))
+        if ready:
+            try:
+                self._pool.submit(self._score_group, ready)
+            except RuntimeError:  # closed meanwhile: each was cancelled, none scored
+                for waiting, _ in ready:
+                    self.settle(waiting, partial(cancelled_rollout, waiting.task, waiting.key))
+
+    def _withdraw(self, session: ThreadedSession) -> None:
+        """A session cancelled while its call waits for its group: resolved now."""
+        with self._gathering_lock:
+            assert self._gathering is not None
+            held = self._gathering.withdraw(session.key.group, session.key)
+        if held is not None:
+            self.settle(session, partial(cancelled_rollout, session.task, session.key))
+
+    def _score_group(self, ready: list[tuple[ThreadedSession, Call]]) -> None:
+        """Score a group's finished calls in one GroupVerifier call (on the pool) and
+        resolve each session with its own result; a session cancelled meanwhile is
+        resolved as cancelled, unscored."""
+        verifier = self.verifier
+        assert isinstance(verifier, GroupVerifier)
+        live = [(s, call) for s, call in ready if not s.stop.is_set()]
+        results: list[Any] = []
+        if live:
+            task, calls = live[0][0].task, [call for _, call in live]
+            try:
+                views = [self.completion_view(call) for call in calls]
+                results = list(verifier.score_group(task, views, calls))
+                if len(results) != len(calls):
+                    raise ValueError(
+                        f"score_group returned {len(results)} results for {len(calls)} completions"
+                    )
+            except BaseException as exc:  # every rollout's failure; re-raised below if fatal
+                results = [exc] * len(calls)
+        verdicts = dict(zip((s for s, _ in live), results, strict=True))
+        fatal: BaseException | None = None
+        for session, call in ready:
+            produce = partial(self._rollout, session.task, session.key, call)
+            try:
+                self.settle(session, partial(produce, verdicts.get(session)))
+            except BaseException as exc:  # the rest are still resolved first
+                fatal = fatal or exc
+        if fatal is not None:
+            raise fatal
 
     def prompt_ids(self, index: int) -> list[int]:
         """Token ids of prompt ``index`` (encoded once, then cached)."""
@@ -205,7 +317,17 @@ class PromptSource(ThreadedSource):
     def _score(self, task: Task, key: RolloutKey, call: Call) -> Rollout:
         """The verifier's verdict on one finished call, as a rollout."""
         try:
-            reward, parts = parse_reward(self.verifier(task, self.completion_view(call), call))
+            result = self.verifier(task, self.completion_view(call), call)
+        except (Exception, SystemExit, KeyboardInterrupt) as exc:  # see _rollout
+            result = exc
+        return self._rollout(task, key, call, result)
+
+    def _rollout(self, task: Task, key: RolloutKey, call: Call, result: Any) -> Rollout:
+        """One finished call's rollout, given its verifier's result (or exception)."""
+        try:
+            if isinstance(result, BaseException):
+                raise result
+            reward, parts = parse_reward(result)
         except (Exception, SystemExit, KeyboardInterrupt) as exc:
             # The verifier's failure is the rollout's, recorded, never a reward. On a
             # pool thread an exit or interrupt can only be the verifier's own raise (a
