@@ -431,6 +431,59 @@ def test_dew_train_on_a_keyed_server_sends_its_key_and_never_writes_it(
         assert key not in done.stderr + done.stdout
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_one_dew_serve_serves_run_after_run_and_a_held_one_only_by_takeover(
+    tmp_path: Path, model_dir: Path
+) -> None:
+    from dew.serving.http_engine import HTTPEngine
+
+    from ..serving._launch import serve
+
+    path = config(tmp_path, model_dir)
+    with serve("--model", str(model_dir)) as server:
+        urls = ("--engine.kind", "urls", "--engine.urls", server.url, "--output.wandb", "false")
+        for name in ("first", "second"):  # the second counts from 0 after the first's 3
+            done = dew_train(str(path), *urls, "--output.run_dir", str(tmp_path / name))
+            assert done.returncode == 0, done.stderr[-3000:]
+        # A run still holding the server (killed before it released it, say).
+        holder = HTTPEngine(server.url, run="elsewhere:/runs/old")
+        try:
+            holder.load(load_model(model_dir), 7)
+            third = tmp_path / "third"
+            refused = dew_train(str(path), *urls, "--output.run_dir", str(third))
+            assert refused.returncode == 2, refused.stderr[-3000:]
+            assert refused.stderr == (
+                f"dew train: error: engine.urls: {server.url} is held by run "
+                "'elsewhere:/runs/old', which has not released it: stop that trainer, or "
+                "set engine.takeover = true to take the server over\n"
+            )
+            assert not third.exists()
+            took = dew_train(
+                str(path), *urls, "--output.run_dir", str(third), "--engine.takeover", "true"
+            )
+            assert took.returncode == 0, took.stderr[-3000:]
+            with server.client() as client:  # the run ended: it let the server go
+                assert client.get("/health").json()["dew_run"] is None
+        finally:
+            holder._pushed = False  # taken over: nothing of its own to release
+            holder.close()
+    steps = [
+        [
+            json.loads(line)["step"]
+            for line in (tmp_path / n / "records.jsonl").read_text().splitlines()
+        ]
+        for n in ("first", "second", "third")
+    ]
+    assert steps == [[1, 2, 3]] * 3
+
+
+def load_model(folder: Path) -> Any:
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(folder)
+
+
 @pytest.mark.timeout(300)
 def test_a_second_trainer_on_a_running_folder_is_refused_in_one_line(
     tmp_path: Path, model_dir: Path

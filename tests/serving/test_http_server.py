@@ -234,7 +234,7 @@ def test_bad_input_answers_4xx_naming_the_field_while_serving(served: Served) ->
         assert client.get("/generate").status_code == 405
         _still_served_then_abort(client, long, "bad-input")
         health = client.get("/health").json()
-        assert health == {"status": "ok", "dew_version": 0, "dew_in_flight": 0}
+        assert health == {"status": "ok", "dew_version": 0, "dew_in_flight": 0, "dew_run": None}
 
 
 # --------------------------------------------------------------------------- aborts

@@ -208,6 +208,9 @@ class EngineSection(_Section):
     # kind = "fleet" only: an sglang-router in front of the engines, with this policy
     # ("cache_aware", "round_robin", ...; the router extra), started and owned by the run.
     router: str | None = None
+    # kind = "urls": push to servers another run holds (one killed before it released
+    # them); that run's next push is then refused.
+    takeover: bool = False
 
     @field_validator("engines")
     @classmethod
@@ -226,6 +229,8 @@ class EngineSection(_Section):
             raise ValueError(f'{", ".join(stray)} apply to kind = "vllm" only')
         if self.kind == "vllm" and self.urls and (self.python or self.args):
             raise ValueError("python and args launch vLLM servers; with urls none is launched")
+        if self.takeover and self.kind != "urls":
+            raise ValueError('takeover is for servers at urls: kind = "urls"')
         if self.router is not None and self.kind != "fleet":
             raise ValueError('router puts a launched fleet behind sglang-router: kind = "fleet"')
         if self.weights_dir and self.kind == "in-process":

@@ -23,6 +23,7 @@ import json
 import math
 import os
 import shutil
+import socket
 import sys
 from contextlib import ExitStack
 from dataclasses import dataclass
@@ -311,7 +312,7 @@ def _train(
     )
     if pool is not None:
         dataset = pool.dataset(dataset)
-    engine = _engine(config, model, batch_rows * (knobs.ahead + 1), stack)  # base copy
+    engine = _engine(config, model, batch_rows * (knobs.ahead + 1), stack, run)  # base copy
     publisher: Any = engine
     if pool is not None:  # after the engine copied the whole model
         from dew.pool import shard_model
@@ -495,12 +496,13 @@ def _evaluator(
     return recorder(run, now, t.eval_every or t.steps, t.steps)
 
 
-def _engine(config: JobConfig, model: Any, max_batch: int, stack: ExitStack) -> Any:
-    """The run's engine; servers at ``urls`` that cannot be driven are a ConfigError."""
+def _engine(config: JobConfig, model: Any, max_batch: int, stack: ExitStack, run: Path) -> Any:
+    """The run's engine; servers at ``urls`` that cannot be driven, or that another live
+    run holds, are a ConfigError."""
     from dew.core import EngineError
 
     try:
-        return _make_engine(config, model, max_batch, stack)
+        engine = _make_engine(config, model, max_batch, stack, _run_id(run))
     except (EngineError, ValueError) as exc:
         if not config.engine.urls:
             raise
@@ -508,13 +510,30 @@ def _engine(config: JobConfig, model: Any, max_batch: int, stack: ExitStack) -> 
         if "API key" in why:
             why += f" (the key comes from engine.api_key_file, else ${API_KEY_ENV})"
         raise ConfigError(f"engine.urls: {why}") from None
+    if config.engine.kind == "urls" and not config.engine.takeover:
+        for member in engine.members():
+            if member.held_by not in (None, _run_id(run)):
+                raise ConfigError(
+                    f"engine.urls: {member.url} is held by run {member.held_by!r}, which "
+                    "has not released it: stop that trainer, or set engine.takeover = true "
+                    "to take the server over"
+                )
+    return engine
+
+
+def _run_id(run: Path) -> str:
+    """The run's name on the servers it pushes to: the same on a resume, so a resumed
+    run takes its servers back; another folder (or machine) is another run."""
+    return f"{socket.gethostname()}:{run.resolve()}"
 
 
 def _first_line(exc: BaseException) -> str:
     return (str(exc).strip().splitlines() or [type(exc).__name__])[0]
 
 
-def _make_engine(config: JobConfig, model: Any, max_batch: int, stack: ExitStack) -> Any:
+def _make_engine(
+    config: JobConfig, model: Any, max_batch: int, stack: ExitStack, run_id: str
+) -> Any:
     kind = config.engine.kind
     if kind == "in-process":
         from dew.serving import RolloutServer
@@ -540,6 +559,7 @@ def _make_engine(config: JobConfig, model: Any, max_batch: int, stack: ExitStack
             list(config.engine.urls),
             api_key=config.engine.api_key(),
             weights_dir=config.engine.weights_dir,
+            engine_options={"run": run_id, "takeover": config.engine.takeover},
         )
     stack.callback(engine.close)
     return engine

@@ -73,11 +73,13 @@ class ActiveBatch:
         self._share = share
         self._rows: RowSettings | None = None  # the sampling settings of ``active``
 
-    def before_load(self) -> None:
-        """Forget what the weights being replaced computed and would serve no one."""
+    def before_load(self, *, restart: bool = False) -> None:
+        """Forget what the weights being replaced computed and would serve no one
+        (``restart``: a new version sequence, where a kept prefix's version no longer
+        tells whether older weights computed it, so none is kept)."""
         for r in self.active:
             r.prompt_logits = None
-        if self.kept is not None and self._recompute:
+        if self.kept is not None and (self._recompute or restart):
             self.kept.clear()
 
     def after_load(self, version: int) -> None:

@@ -159,6 +159,7 @@ class LoopEngine(Engine):
         self._lock = threading.Lock()  # guards _closed, _version and scheduling onto the loop
         self._closed = False
         self._version = 0
+        self._held_by: str | None = None  # the run holding the server, where it says
         self._max_len = self._vocab = 0
         self._eos: tuple[int, ...] = ()
         self._inflight: dict[str, Pending] = {}  # loop thread only
@@ -211,6 +212,12 @@ class LoopEngine(Engine):
     def version(self) -> int:
         with self._lock:
             return self._version
+
+    @property
+    def held_by(self) -> str | None:
+        """The trainer run holding the server, as last read (at construction, by a
+        health check or a push); None when no run does, or the server does not say."""
+        return self._held_by
 
     @property
     def max_len(self) -> int:

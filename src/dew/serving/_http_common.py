@@ -14,6 +14,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, ValidationError
 
+from dew.serving._claim import Claim
 from dew.serving.weights import JoinedGroup
 
 if TYPE_CHECKING:
@@ -105,9 +106,21 @@ class AbortBody(_Strict):
     rid: str
 
 
-class FromDiskBody(_Strict):
-    model_path: str
+class PushBody(_Strict):
+    """The run fields every weight push may carry (see :mod:`dew.serving._claim`)."""
+
     dew_version: int
+    dew_run: str | None = None
+    dew_restart: bool = False
+    dew_takeover: bool = False
+
+
+class FromDiskBody(PushBody):
+    model_path: str
+
+
+class ReleaseBody(_Strict):
+    dew_run: str
 
 
 class InitGroupBody(_Strict):
@@ -119,12 +132,11 @@ class InitGroupBody(_Strict):
     backend: str = "gloo"
 
 
-class FromDistributedBody(_Strict):
+class FromDistributedBody(PushBody):
     names: list[str]
     dtypes: list[str]
     shapes: list[list[int]]
     group_name: str = "dew"
-    dew_version: int
 
 
 def _no_constant(name: str) -> float:
@@ -206,6 +218,7 @@ class ServeState:
         self.inflight: dict[str, Any] = {}  # rid -> the engine's future; loop thread only
         # dew_sha256 of the weights last pushed; None while the initial weights serve.
         self.published: str | None = None
+        self.claim = Claim()  # which trainer run holds the weights
         self.groups: dict[str, JoinedGroup] = {}
         # Joining a trainer's group: its connect and every later receive are bounded by
         # group_timeout, and run one at a time on a thread no other work shares.

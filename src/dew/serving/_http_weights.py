@@ -2,25 +2,35 @@
 
 ``/update_weights_from_disk`` loads a file :func:`dew.serving.weights.write_weights`
 wrote; ``/init_weights_update_group`` and ``/update_weights_from_distributed`` take a
-broadcast from a trainer. Pushes run one at a time under the state's weights lock, the
-blocking work on a worker thread, and a refused push leaves the served weights as they
-were.
+broadcast from a trainer; ``/dew/release`` lets a run's hold go. Pushes run one at a
+time under the state's weights lock, the blocking work on a worker thread, and a
+refused push leaves the served weights (and the run holding them) as they were.
+
+Which run may push is :mod:`dew.serving._claim`'s rule. A push that begins a new
+version sequence (a new run, or a run resumed) is loaded whatever its version, with
+the kept prefixes forgotten; one that takes the server from a run still holding it
+first aborts every request in flight (they are that run's, and its weights' version
+numbers mean nothing to the new one: their clients see an abort).
 """
 
 from __future__ import annotations
 
 import asyncio
 import functools
+import time
 from collections.abc import Mapping
 from typing import Any
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
+from dew.serving._claim import ClaimRefused
 from dew.serving._http_common import (
     FromDiskBody,
     FromDistributedBody,
     InitGroupBody,
+    PushBody,
+    ReleaseBody,
     ServeState,
     parse_body,
     refused,
@@ -33,7 +43,7 @@ from dew.serving.weights import (
     receive_tensors,
 )
 
-__all__ = ["from_disk", "from_distributed", "init_group"]
+__all__ = ["from_disk", "from_distributed", "init_group", "release"]
 
 
 # --------------------------------------------------------------------------- weights
@@ -60,11 +70,27 @@ def _check_newer(state: ServeState, version: int, digest: str | None) -> bool:
     )
 
 
+def _new_sequence(state: ServeState, req: PushBody) -> bool:
+    """Whether ``req`` begins a new version sequence; 409 when its run may not push."""
+    try:
+        return state.claim.check(
+            req.dew_run, restart=req.dew_restart, takeover=req.dew_takeover, now=time.monotonic()
+        )
+    except ClaimRefused as exc:
+        raise refused(str(exc), "dew_run", 409) from None
+
+
+def _took(state: ServeState, req: PushBody) -> None:
+    """The push of ``req`` went through: its run holds the server now."""
+    state.claim.took(req.dew_run, time.monotonic())
+
+
 async def from_disk(state: ServeState, request: Request) -> Response:
     state.authorize(request)
     req = await parse_body(request, FromDiskBody)
     async with state.weights_lock:
-        if req.dew_version < state.engine.version:  # stale for sure: refuse before reading
+        fresh = _new_sequence(state, req)
+        if not fresh and req.dew_version < state.engine.version:  # stale: refuse unread
             _check_newer(state, req.dew_version, None)
         try:
             weights = await asyncio.to_thread(
@@ -81,17 +107,23 @@ async def from_disk(state: ServeState, request: Request) -> Response:
                 f"{req.model_path} holds dew_version {version}, the request says {req.dew_version}",
                 "dew_version",
             )
-        if _check_newer(state, version, weights.checksum):
-            await _load(state, weights.tensors, version, "model_path")
+        if fresh or _check_newer(state, version, weights.checksum):
+            await _load(state, req, weights.tensors, "model_path", restart=fresh)
             state.published = weights.checksum
+        _took(state, req)
     return JSONResponse(
         {"success": True, "message": f"serving {req.model_path}", "dew_version": version}
     )
 
 
-async def _load(state: ServeState, tensors: Mapping[str, Any], version: int, param: str) -> None:
+async def _load(
+    state: ServeState, req: PushBody, tensors: Mapping[str, Any], param: str, *, restart: bool
+) -> None:
+    if state.claim.held_by not in (None, req.dew_run):  # a takeover: what runs is theirs
+        state.abort_all()
+    load = functools.partial(state.engine.load, tensors, req.dew_version, restart=restart)
     try:
-        await asyncio.to_thread(state.engine.load, tensors, version)
+        await asyncio.to_thread(load)
     except ValueError as exc:
         raise refused(f"the weights do not fit the model: {exc}", param) from None
     except RuntimeError as exc:
@@ -139,6 +171,20 @@ async def init_group(state: ServeState, request: Request) -> Response:
     return JSONResponse({"success": True, "message": f"joined {req.group_name!r}"})
 
 
+async def release(state: ServeState, request: Request) -> Response:
+    """``dew_run`` lets the server go: its weights keep serving, and another run may
+    push without taking it over."""
+    state.authorize(request)
+    req = await parse_body(request, ReleaseBody)
+    async with state.weights_lock:
+        if state.claim.release(req.dew_run):
+            return JSONResponse({"success": True, "message": f"released by {req.dew_run!r}"})
+    held = state.claim.held_by
+    return JSONResponse(
+        {"success": False, "message": f"not held by {req.dew_run!r} (held by {held!r})"}
+    )
+
+
 def _first_line(exc: BaseException) -> str:
     """torch.distributed's errors carry C++ backtraces: their first line says it."""
     return (str(exc).strip().splitlines() or [type(exc).__name__])[0]
@@ -177,7 +223,8 @@ async def from_distributed(state: ServeState, request: Request) -> Response:
         # Strictly newer only: the digest of a broadcast is known only once it arrived,
         # and a refusal after joining would strand the sender (a first publish at the
         # initial version goes by file).
-        if req.dew_version <= state.engine.version:
+        fresh = _new_sequence(state, req)
+        if not fresh and req.dew_version <= state.engine.version:
             raise refused(
                 f"dew_version {req.dew_version} is not newer than the served version "
                 f"{state.engine.version}",
@@ -190,8 +237,9 @@ async def from_distributed(state: ServeState, request: Request) -> Response:
         except Exception as exc:  # a broken group cannot be trusted again
             state.groups.pop(req.group_name, None)
             raise refused(f"the broadcast failed: {_first_line(exc)}", "group_name") from None
-        await _load(state, tensors, req.dew_version, "names")
+        await _load(state, req, tensors, "names", restart=fresh)
         state.published = await asyncio.to_thread(checksum, tensors)
+        _took(state, req)
     return JSONResponse(
         {"success": True, "message": "serving the broadcast", "dew_version": req.dew_version}
     )

@@ -97,6 +97,7 @@ class Load:
 
     state: Mapping[str, torch.Tensor]
     version: int
+    restart: bool = False  # a new version sequence: kept prefixes are forgotten
     done: threading.Event = field(default_factory=threading.Event)
     error: BaseException | None = None
 

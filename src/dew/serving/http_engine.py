@@ -14,6 +14,11 @@ server (:mod:`dew.serving._http_base`). What is this server's:
   ``abort`` and the tokens made so far: ``Aborted(tokens=n)``.
 * ``version`` is set by ``/get_model_info``, ``/health`` and every push, and raised
   (never lowered) by the ``weight_version`` of every response.
+* Runs: every push names the engine's ``run``; its first push starts the run's version
+  sequence, so a new run (or the same run resumed) may count from 0 on a server
+  another run pushed to. A server held by another live run refuses it (409, naming
+  that run) unless ``takeover``; :meth:`close` releases the server
+  (:mod:`dew.serving._claim` has the rule).
 * The ``Call`` is built from the response alone: prompt = the ids sent, completion =
   ``output_ids``, ``log_probs`` from ``output_token_logprobs`` (checked to match the
   ids), ``version`` = ``weight_version`` (the oldest weights that served a token),
@@ -26,6 +31,8 @@ server (:mod:`dew.serving._http_base`). What is this server's:
 
 from __future__ import annotations
 
+import threading
+import uuid
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -55,6 +62,9 @@ class HTTPEngine(LoopEngine):
     the ``stop`` events of the requests in flight. ``abort_urls``: where
     ``/abort_request`` goes instead of ``url``: the workers behind a router (sglang-router
     does not relay aborts, so each is asked; a worker that never had the rid ignores it).
+    ``run``: the trainer run this engine pushes for (default: one of its own, so two
+    engines are two runs); ``takeover``: push even while another run holds the server,
+    which that run's next push then finds refused (see the module docstring).
     """
 
     def __init__(
@@ -69,7 +79,16 @@ class HTTPEngine(LoopEngine):
         startup_timeout: float = 10.0,
         poll: float = 0.005,
         abort_urls: Sequence[str] = (),
+        run: str | None = None,
+        takeover: bool = False,
     ) -> None:
+        if run is not None and (not isinstance(run, str) or not run):
+            raise ValueError(f"run must be a non-empty string, got {run!r}")
+        if not isinstance(takeover, bool):
+            raise ValueError(f"takeover must be a bool, got {takeover!r}")
+        self.run = run if run is not None else uuid.uuid4().hex
+        self._takeover = takeover
+        self._pushed = False  # the first push starts this run's version sequence
         super().__init__(
             url,
             api_key=api_key,
@@ -97,6 +116,7 @@ class HTTPEngine(LoopEngine):
                 f"does (dew_max_len, dew_vocab_size, dew_eos_token_ids): {exc!r}"
             ) from None
         self._set_version(info.get("dew_version"), exact=True)
+        self._held_by = info.get("dew_run")
 
     def health(self) -> bool:
         """Whether the server answers ``GET /health`` with 200 within the connect
@@ -107,6 +127,7 @@ class HTTPEngine(LoopEngine):
         except (EngineError, ValueError, RuntimeError):
             return False
         self._set_version(data.get("dew_version"), exact=True)
+        self._held_by = data.get("dew_run")
         return True
 
     def load_file(self, path: str | Path, version: int) -> None:
@@ -118,11 +139,32 @@ class HTTPEngine(LoopEngine):
         """
         self._check_not_loop("load_file()")
         version = as_int(version, "version")
-        body = {"model_path": str(Path(path).resolve()), "dew_version": version}
+        body = {
+            "model_path": str(Path(path).resolve()),
+            "dew_version": version,
+            "dew_run": self.run,
+            "dew_restart": not self._pushed,
+            "dew_takeover": self._takeover,
+        }
         data = self._block(self._request("POST", "/update_weights_from_disk", body))
         if data.get("success") is False:
             raise ValueError(f"{self._url}: weights refused: {data.get('message')}")
+        self._pushed = True
+        self._held_by = self.run
         self._set_version(data.get("dew_version", version), exact=True)
+
+    def close(self) -> None:
+        """Release the server if this engine pushed to it (another run may then push
+        without taking it over), then close as every engine over a server does."""
+        if self._pushed and not self._closed and threading.current_thread() is not self._thread:
+            self._pushed = False
+            try:
+                self._block(
+                    self._request("POST", "/dew/release", {"dew_run": self.run}, short=True)
+                )
+            except (EngineError, ValueError, RuntimeError):
+                pass  # a server gone or closing: nothing is held there any more
+        super().close()
 
     async def _abort_request(self, rid: str, pool: Pool | None) -> None:
         await self._request(

@@ -36,9 +36,16 @@ dew's extensions:
   is read, and no refusal quotes a file's bytes. A join of a trainer's broadcast group
   runs one at a time on a thread of its own, and it and every receive in the group wait
   at most ``group_timeout`` seconds (409 while another join is under way).
+* Runs: a push may name its trainer run (``dew_run``), say it starts the run's version
+  sequence (``dew_restart``) or take the server over (``dew_takeover``); the run of
+  the last push holds the server until ``POST /dew/release {"dew_run"}``, and another
+  run's push meanwhile gets a 409 naming the holder (:mod:`dew.serving._claim`). A
+  push that starts a sequence loads whatever its version, after aborting every
+  request in flight.
 * A request whose draw fails on its own values (logits that overflow over its
   temperature) fails alone with a 422; the other requests of its batch go on.
-* ``/health`` and ``/get_model_info`` report ``dew_version``; health also
+* ``/health`` and ``/get_model_info`` report ``dew_version`` and ``dew_run`` (the run
+  holding the server, or null); health also
   ``dew_in_flight``, the ``/generate`` requests being served; model info also
   ``dew_max_len``, ``dew_vocab_size`` and ``dew_eos_token_ids``.
 * Errors are ``{"error": {"message", "param", "type"}}`` with a 4xx naming the field;
@@ -86,7 +93,7 @@ from dew.serving._http_common import (
     ServeState,
     parse_body,
 )
-from dew.serving._http_weights import from_disk, from_distributed, init_group
+from dew.serving._http_weights import from_disk, from_distributed, init_group, release
 from dew.serving.weights import weights_root
 
 if TYPE_CHECKING:
@@ -295,7 +302,12 @@ def build_app(
         if not state.alive():
             raise Refusal(503, "the engine thread is not running", None)
         return JSONResponse(
-            {"status": "ok", "dew_version": version, "dew_in_flight": len(state.inflight)}
+            {
+                "status": "ok",
+                "dew_version": version,
+                "dew_in_flight": len(state.inflight),
+                "dew_run": state.claim.held_by,
+            }
         )
 
     async def model_info(state: ServeState, request: Request) -> Response:
@@ -307,6 +319,7 @@ def build_app(
                 "tokenizer_path": state.tokenizer_path,
                 "is_generation": True,
                 "dew_version": engine.version,
+                "dew_run": state.claim.held_by,
                 "dew_max_len": engine.max_len,
                 "dew_vocab_size": engine.vocab_size,
                 "dew_eos_token_ids": list(engine.eos_token_ids),
@@ -327,6 +340,7 @@ def build_app(
     route("/update_weights_from_disk", from_disk)
     route("/init_weights_update_group", init_group)
     route("/update_weights_from_distributed", from_distributed)
+    route("/dew/release", release)
     route("/health", health, "GET")
     route("/get_model_info", model_info, "GET")
 

@@ -254,9 +254,20 @@ class RolloutServer(Engine):
                 "kept": 0 if batch.kept is None else len(batch.kept),
             }
 
-    def load(self, variables: torch.nn.Module | Mapping[str, torch.Tensor], version: int) -> None:
+    def load(
+        self,
+        variables: torch.nn.Module | Mapping[str, torch.Tensor],
+        version: int,
+        *,
+        restart: bool = False,
+    ) -> None:
         """Copy ``variables`` (a module or a state dict with the model's names and shapes)
-        into the engine's model between two iterations, then serve them as ``version``."""
+        into the engine's model between two iterations, then serve them as ``version``.
+
+        ``restart``: ``version`` begins a new version sequence (a new trainer run took
+        the engine over, and may count from 0 again): kept prefixes are forgotten,
+        since their versions are no longer comparable with the new ones.
+        """
         # A load waits for the engine thread: from a done-callback it would wait forever.
         if threading.current_thread() is self._thread:
             raise RuntimeError(
@@ -267,7 +278,7 @@ class RolloutServer(Engine):
         if version < 0:
             raise ValueError(f"version must be >= 0, got {version}")
         state = check_weights(self._targets, variables)
-        job = Load(state, version)
+        job = Load(state, version, restart=restart)
         with self._cond:
             self._check_open()
             self._loads.append(job)
@@ -404,7 +415,7 @@ class RolloutServer(Engine):
             iteration = self._iteration
         batch = self._batch
         for job in loads:
-            batch.before_load()
+            batch.before_load(restart=job.restart)
             self._apply(job)
         dropped += [r for r in batch.active if r.stopped]
         batch.remove(set(dropped))  # tables first: a caller that wakes up sees them clean

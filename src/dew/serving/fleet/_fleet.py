@@ -135,6 +135,9 @@ class EngineFleet(Care, Publish, Engine):
         self._router_process = _router_process
         self._members = members
         self._version = max(m.engine.version for m in members)
+        # Until the first publish the members serve another run's weights (or their
+        # own initial ones): the fleet's first version may be any.
+        self._published = False
         for m in members:
             m.pushed = m.engine.version
             if m.engine.version == self._version:
@@ -280,6 +283,7 @@ class EngineFleet(Care, Publish, Engine):
                     restarts=m.restarts,
                     reason=m.reason,
                     suspect=m.suspect,
+                    held_by=m.engine.held_by,
                 )
                 for m in self._members
             ]

@@ -93,7 +93,8 @@ class MemberInfo:
     ``restarting`` or ``closed``; ``version`` the version the fleet confirmed it serves
     (-1: none yet); ``reason`` why it is out; ``suspect``: a call just failed there and
     a health check is deciding whether it is out (no new call goes there meanwhile,
-    while another member is up)."""
+    while another member is up); ``held_by`` the trainer run its server says holds it
+    (None: none, or the server does not say)."""
 
     url: str
     state: str
@@ -104,6 +105,7 @@ class MemberInfo:
     restarts: int
     reason: str
     suspect: bool
+    held_by: str | None = None
 
 
 class Local:

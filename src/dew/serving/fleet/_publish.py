@@ -25,6 +25,7 @@ class Publish:
     _pool: ThreadPoolExecutor
     _timeout: float
     _version: int
+    _published: bool
     _files: list[tuple[int, Path]]
     _dir: Path
     _closed: bool
@@ -54,7 +55,7 @@ class Publish:
                 with self._publish_lock:
                     if self._closed:
                         raise RuntimeError("EngineFleet is closed")
-                    if version < self._version:
+                    if self._published and version < self._version:
                         raise ValueError(
                             f"version {version} is older than the fleet's {self._version}"
                         )
@@ -127,6 +128,7 @@ class Publish:
                 m.confirmed = m.pushed = version
             if took:
                 self._version = version
+                self._published = True
         if not took:
             why = "; ".join(f"{m.engine.url}: {r}" for m, r in failed.items())
             return why or "none in rotation", 0 < refusals == len(failed)
