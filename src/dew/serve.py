@@ -22,6 +22,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
+from dew._devices import default_device, device_problem
 from dew._net import API_KEY_ENV, bind, http_with_read_timeout, is_loopback
 
 __all__ = ["main"]
@@ -141,7 +142,6 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _serve(args: argparse.Namespace, api_key: str | None, stopping: list[int]) -> int:
-    import torch
     import uvicorn
 
     from dew.serving.http_server import build_app
@@ -153,7 +153,11 @@ def _serve(args: argparse.Namespace, api_key: str | None, stopping: list[int]) -
         print(f"dew serve: cannot bind {args.host}:{args.port}: {exc}", file=sys.stderr)
         return 1
     try:
-        device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+        device = args.device or default_device()
+        problem = device_problem(device)
+        if problem is not None:
+            print(f"dew serve: error: --device {device}: {problem}", file=sys.stderr)
+            return 2
         try:
             model, model_path, tokenizer_path = _load_model(args, device)
             # Only what was given: the engine's own defaults are written once, there.

@@ -200,6 +200,20 @@ def test_overrides_keep_their_types_and_reach_any_field(tmp_path: Path) -> None:
             r"with urls none is launched",
         ),
         (("[output]", "[scheduler]\nahead = 3\n[output]"), r"scheduler.max_lag: max_lag=1 < ahead"),
+        (("steps = 10", 'steps = 10\ndevice = "gpu0"'), r"training.device: 'gpu0' is not a device"),
+        (
+            ("[output]", '[engine]\nkind = "fleet"\ndevices = ["cuda:1"]\n[output]'),
+            r"engine: devices: 1 given, one per engine: 2 \(engines\)",
+        ),
+        (
+            (
+                "[output]",
+                '[engine]\nkind = "urls"\nurls = ["http://h:1"]\ndevices = ["cpu"]\n[output]',
+            ),
+            r"servers at urls place themselves",
+        ),
+        (("[output]", '[engine]\ndevices = ["tpu"]\n[output]'), r"'tpu' is not a device name"),
+        (("[output]", "[engine]\ntakeover = true\n[output]"), r"takeover is for servers at urls"),
         (("[output]", '[scheduler]\nestimator = "best"\n[output]'), r"scheduler.estimator: "),
         (("[output]", "[objective]\nclip = -1.0\n[output]"), r"objective.clip: "),
     ],
@@ -209,6 +223,30 @@ def test_every_problem_names_its_field(
 ) -> None:
     with pytest.raises(ConfigError, match=message):
         load_config(write(tmp_path, BASE.replace(*change, 1)))
+
+
+def test_devices_this_machine_lacks_are_one_line_before_anything_runs(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import torch
+
+    monkeypatch.chdir(tmp_path)  # where run_dir = "r" would be made
+    from dew.job.cli import main
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    for override in (
+        ["--training.device", "cuda"],
+        ["--engine.kind", "fleet", "--engine.devices", "cpu,cuda:1"],
+    ):
+        assert main([str(write(tmp_path)), "--no-progress", *override]) == 2
+        err = capsys.readouterr().err
+        field = override[-2].lstrip("-")
+        assert err == (
+            f"dew train: error: {field}: {override[-1].split(',')[-1]}: CUDA is not "
+            "available on this machine\n"
+        )
+        assert not (tmp_path / "r").exists()
 
 
 def test_a_missing_or_broken_file_is_named(tmp_path: Path) -> None:

@@ -33,7 +33,6 @@ import difflib
 import inspect
 import json
 import math
-import os
 import tomllib
 import typing
 from collections.abc import Mapping, Sequence
@@ -42,15 +41,16 @@ from typing import Any, Literal
 
 from pydantic import (
     BaseModel,
-    ConfigDict,
     ValidationError,
     create_model,
     field_validator,
     model_validator,
 )
 
-from dew._net import API_KEY_ENV
+from dew._devices import DEVICE_PATTERN
 from dew.core import MIN_TEMPERATURE, SamplingParams
+from dew.job._base import ConfigError, Section
+from dew.job._engines import EngineSection
 from dew.job.rewards import REWARD_TIMEOUT
 from dew.objectives.rl.config import SchedulerConfig
 from dew.objectives.rl.grpo import GRPOObjective
@@ -67,10 +67,6 @@ __all__ = [
 ]
 
 
-class ConfigError(ValueError):
-    """A config that cannot run; the message names the field and the problem."""
-
-
 # fit's own defaults, written once there.
 _FIT = {
     name: p.default
@@ -79,11 +75,7 @@ _FIT = {
 }
 
 
-class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
-
-
-class ModelSection(_Section):
+class ModelSection(Section):
     path: str  # a Hugging Face model folder (config.json, weights, tokenizer)
     dtype: Literal["float32", "bfloat16"] = "float32"  # of the trainer's weights
     gradient_checkpointing: bool = False  # less memory, one more forward per step
@@ -108,7 +100,7 @@ class ModelSection(_Section):
         return value
 
 
-class DataSection(_Section):
+class DataSection(Section):
     path: str  # .jsonl/.json/.parquet/.csv, or a save_to_disk folder
     prompt_column: str | None = None  # default "prompt" unless messages_column is set
     messages_column: str | None = None  # chat messages, rendered with the chat template
@@ -123,7 +115,7 @@ class DataSection(_Section):
         return self.messages_column is not None
 
 
-class RewardSection(_Section):
+class RewardSection(Section):
     function: str  # "pkg.mod:fn" or "path/to/file.py:fn" (TRL's signature or dew's)
     weight: float = 1.0  # the reward is the sum of weight x value over the functions
     timeout: float = REWARD_TIMEOUT  # seconds per call; then its process is killed
@@ -150,7 +142,7 @@ class RewardSection(_Section):
         return value
 
 
-class TrainingSection(_Section):
+class TrainingSection(Section):
     steps: int
     tasks: int = 8  # prompts per step; each makes scheduler.groups rollouts
     lr: float = 1e-5  # AdamW's learning rate
@@ -160,11 +152,21 @@ class TrainingSection(_Section):
     max_grad_norm: float | None = _FIT["max_grad_norm"]  # none: no clipping
     micro_batches: int = _FIT["micro_batches"]  # parts of a step's rows, one backward each
     seed: int = 0  # the data order, the engine's sampling and torch's
+    # The trainer's torch device (none: cuda if this machine has one, else cpu); under
+    # torchrun each process trains on its own (LOCAL_RANK's).
+    device: str | None = None
     # Evaluation on data.eval_path (dew.job.evaluate): every eval_every steps and at the end.
     eval_every: int | None = None
     eval_samples: int = 1  # k of pass@k
     eval_temperature: float = 0.0  # 0: greedy
     eval_pass: float = 1.0  # a sample passes with a reward at least this
+
+    @field_validator("device")
+    @classmethod
+    def _device(cls, value: str | None) -> str | None:
+        if value is not None and not DEVICE_PATTERN.fullmatch(value):
+            raise ValueError(f"{value!r} is not a device name (cpu, cuda, cuda:N)")
+        return value
 
     @field_validator("steps", "tasks", "micro_batches", "eval_samples")
     @classmethod
@@ -188,79 +190,7 @@ class TrainingSection(_Section):
         return value
 
 
-class EngineSection(_Section):
-    kind: Literal["in-process", "fleet", "urls", "vllm"] = "in-process"  # where rollouts run
-    engines: int = 2  # kind = "fleet" or "vllm": local engine processes
-    urls: tuple[str, ...] = ()  # kind = "urls": dew serve servers; "vllm": vLLM servers
-    # kind = "vllm" only: the vLLM environment's interpreter for launched servers (none:
-    # $DEW_VLLM_PYTHON), more vLLM server flags, and what a weight push does to the
-    # requests in flight (none: VLLMEngine's default).
-    python: str | None = None
-    args: tuple[str, ...] = ()  # kind = "vllm": more vLLM server flags
-    on_load: Literal["recompute", "keep"] | None = None  # kind = "vllm": see above
-    # Where weight pushes are written for engine processes to read (none: a private
-    # folder in shared memory); servers started elsewhere must be able to read it (a vLLM
-    # server reads only its DEW_VLLM_WEIGHTS_DIR, when set).
-    weights_dir: str | None = None
-    # The servers' API key, for urls: read from this file (none: from $DEW_API_KEY, if
-    # set). The key itself is never a field, so it is never printed or saved with the run.
-    api_key_file: str | None = None
-    # kind = "fleet" only: an sglang-router in front of the engines, with this policy
-    # ("cache_aware", "round_robin", ...; the router extra), started and owned by the run.
-    router: str | None = None
-    # kind = "urls": push to servers another run holds (one killed before it released
-    # them); that run's next push is then refused.
-    takeover: bool = False
-
-    @field_validator("engines")
-    @classmethod
-    def _some(cls, value: int) -> int:
-        if value < 1:
-            raise ValueError("must be >= 1")
-        return value
-
-    @model_validator(mode="after")
-    def _urls_for_urls(self) -> EngineSection:
-        if self.kind == "urls" and not self.urls:
-            raise ValueError('kind = "urls" needs urls = ["http://host:port", ...]')
-        vllm_only = {"python": self.python, "args": self.args, "on_load": self.on_load}
-        stray = [name for name, value in vllm_only.items() if value and self.kind != "vllm"]
-        if stray:
-            raise ValueError(f'{", ".join(stray)} apply to kind = "vllm" only')
-        if self.kind == "vllm" and self.urls and (self.python or self.args):
-            raise ValueError("python and args launch vLLM servers; with urls none is launched")
-        if self.takeover and self.kind != "urls":
-            raise ValueError('takeover is for servers at urls: kind = "urls"')
-        if self.router is not None and self.kind != "fleet":
-            raise ValueError('router puts a launched fleet behind sglang-router: kind = "fleet"')
-        if self.weights_dir and self.kind == "in-process":
-            raise ValueError("weights_dir is for engine processes; in-process needs none")
-        if self.api_key_file is not None:
-            if not self.urls:
-                raise ValueError("api_key_file is for servers at urls (launched ones need none)")
-            self.api_key()  # a missing or empty file, said before anything runs
-        if self.kind == "vllm" and not self.urls:
-            from dew.serving.vllm import vllm_python
-
-            vllm_python(self.python)  # a missing vLLM environment, said before anything runs
-        return self
-
-    def api_key(self) -> str | None:
-        """The key for the servers at ``urls``: ``api_key_file``'s content, else
-        ``$DEW_API_KEY``, else none."""
-        if self.api_key_file is None:
-            return os.environ.get(API_KEY_ENV) or None
-        path = Path(self.api_key_file).expanduser()
-        try:
-            key = path.read_text().strip()
-        except OSError as exc:
-            raise ValueError(f"api_key_file: {path} cannot be read ({exc.strerror})") from None
-        if not key or "\n" in key:
-            raise ValueError(f"api_key_file: {path} must hold the key alone, on one line")
-        return key
-
-
-class OutputSection(_Section):
+class OutputSection(Section):
     run_dir: str  # the run folder: records, checkpoints, exports, plot
     checkpoint_every: int | None = _FIT["checkpoint_every"]  # steps; and one at the end
     keep: int = _FIT["keep"]  # checkpoints kept (a run needs room for keep + 1)
@@ -282,7 +212,7 @@ class OutputSection(_Section):
         return value
 
 
-def _from_dataclass(cls: type, name: str, skip: Sequence[str] = ()) -> type[_Section]:
+def _from_dataclass(cls: type, name: str, skip: Sequence[str] = ()) -> type[Section]:
     """A section whose fields, types and defaults are the dataclass's own (the
     dataclass's checks run when the section is turned into it)."""
     hints = typing.get_type_hints(cls)  # the annotations are strings (PEP 563)
@@ -291,7 +221,7 @@ def _from_dataclass(cls: type, name: str, skip: Sequence[str] = ()) -> type[_Sec
         for f in dataclasses.fields(cls)
         if f.name not in skip
     }
-    return create_model(name, __base__=_Section, **fields)
+    return create_model(name, __base__=Section, **fields)
 
 
 # In a config, a registered estimator or truncation policy is named; a function is a
@@ -299,7 +229,7 @@ def _from_dataclass(cls: type, name: str, skip: Sequence[str] = ()) -> type[_Sec
 SamplingSection = _from_dataclass(SamplingParams, "SamplingSection")
 
 
-def _from_signature(fn: Any, name: str, skip: Sequence[str] = ()) -> type[_Section]:
+def _from_signature(fn: Any, name: str, skip: Sequence[str] = ()) -> type[Section]:
     """A section of ``fn``'s keyword arguments, with its annotations and defaults."""
     hints = typing.get_type_hints(fn)
     fields = {
@@ -307,7 +237,7 @@ def _from_signature(fn: Any, name: str, skip: Sequence[str] = ()) -> type[_Secti
         for p in inspect.signature(fn).parameters.values()
         if p.kind is p.KEYWORD_ONLY and p.name not in skip
     }
-    return create_model(name, __base__=_Section, **fields)
+    return create_model(name, __base__=Section, **fields)
 
 
 # The objective's temperature is the sampling temperature (the log-probs' own).
@@ -335,7 +265,7 @@ SchedulerSection = create_model(
 ParallelSection = _from_signature(init_pool, "ParallelSection")
 
 
-class JobConfig(_Section):
+class JobConfig(Section):
     """A whole ``dew train`` config; :func:`load_config` builds and checks one."""
 
     model: ModelSection

@@ -23,7 +23,6 @@ import json
 import math
 import os
 import shutil
-import socket
 import sys
 from contextlib import ExitStack
 from dataclasses import dataclass
@@ -31,8 +30,9 @@ from pathlib import Path
 from typing import Any
 
 from dew import _runlock
-from dew._net import API_KEY_ENV
+from dew._devices import default_device
 from dew.job import _report
+from dew.job._engines import check_devices, make_engine
 from dew.job._reward_pool import RewardPool
 from dew.job.config import ConfigError, JobConfig
 from dew.job.data import Rows, load_rows
@@ -58,6 +58,7 @@ def prepare(config: JobConfig, *, resume: bool = False) -> Prepared:
     """Load and check what the run needs; ConfigError naming the first problem (the
     run folder's first: it costs nothing to check, the reward probe does)."""
     _check_run_folder(Path(config.output.run_dir), resume)
+    check_devices(config)
     import datasets
     import torch
     import transformers
@@ -257,6 +258,10 @@ def _join_pool(config: JobConfig, stack: ExitStack) -> Any:
         return None
     if config.model.lora_rank > 0:
         raise ConfigError("model.lora_rank: LoRA is not supported under torchrun yet")
+    if config.training.device is not None:
+        raise ConfigError(
+            "training.device: under torchrun each process trains on its own device; leave it out"
+        )
     from dew.pool import init_pool
 
     try:
@@ -290,6 +295,8 @@ def _train(
         prepared.rows,
     )
     rank, shares = (0, 1) if pool is None else (pool.rank, pool.shares)
+    if pool is None:  # a pool places each process's shard itself
+        model.to(config.training.device or default_device())
     torch.manual_seed(config.training.seed)
     sampling = config.sampling_params()
     knobs = config.scheduler_config()
@@ -312,7 +319,7 @@ def _train(
     )
     if pool is not None:
         dataset = pool.dataset(dataset)
-    engine = _engine(config, model, batch_rows * (knobs.ahead + 1), stack, run)  # base copy
+    engine = make_engine(config, model, batch_rows * (knobs.ahead + 1), stack, run)  # copied
     publisher: Any = engine
     if pool is not None:  # after the engine copied the whole model
         from dew.pool import shard_model
@@ -494,98 +501,3 @@ def _evaluator(
         )
 
     return recorder(run, now, t.eval_every or t.steps, t.steps)
-
-
-def _engine(config: JobConfig, model: Any, max_batch: int, stack: ExitStack, run: Path) -> Any:
-    """The run's engine; servers at ``urls`` that cannot be driven, or that another live
-    run holds, are a ConfigError."""
-    from dew.core import EngineError
-
-    try:
-        engine = _make_engine(config, model, max_batch, stack, _run_id(run))
-    except (EngineError, ValueError) as exc:
-        if not config.engine.urls:
-            raise
-        why = _first_line(exc)
-        if "API key" in why:
-            why += f" (the key comes from engine.api_key_file, else ${API_KEY_ENV})"
-        raise ConfigError(f"engine.urls: {why}") from None
-    if config.engine.kind == "urls" and not config.engine.takeover:
-        for member in engine.members():
-            if member.held_by not in (None, _run_id(run)):
-                raise ConfigError(
-                    f"engine.urls: {member.url} is held by run {member.held_by!r}, which "
-                    "has not released it: stop that trainer, or set engine.takeover = true "
-                    "to take the server over"
-                )
-    return engine
-
-
-def _run_id(run: Path) -> str:
-    """The run's name on the servers it pushes to: the same on a resume, so a resumed
-    run takes its servers back; another folder (or machine) is another run."""
-    return f"{socket.gethostname()}:{run.resolve()}"
-
-
-def _first_line(exc: BaseException) -> str:
-    return (str(exc).strip().splitlines() or [type(exc).__name__])[0]
-
-
-def _make_engine(
-    config: JobConfig, model: Any, max_batch: int, stack: ExitStack, run_id: str
-) -> Any:
-    kind = config.engine.kind
-    if kind == "in-process":
-        from dew.serving import RolloutServer
-
-        engine: Any = RolloutServer(model, max_batch=max_batch, seed=config.training.seed)
-    elif kind == "fleet":
-        from dew.serving.fleet import EngineFleet
-
-        engine = EngineFleet.launch(
-            config.engine.engines,
-            model=config.model.path,
-            seed=config.training.seed,
-            args=["--max-batch", str(max_batch)],
-            weights_dir=config.engine.weights_dir,
-            router=config.engine.router,
-        )
-    elif kind == "vllm":
-        engine = _vllm_fleet(config)
-    else:
-        from dew.serving.fleet import EngineFleet
-
-        engine = EngineFleet(
-            list(config.engine.urls),
-            api_key=config.engine.api_key(),
-            weights_dir=config.engine.weights_dir,
-            engine_options={"run": run_id, "takeover": config.engine.takeover},
-        )
-    stack.callback(engine.close)
-    return engine
-
-
-def _vllm_fleet(config: JobConfig) -> Any:
-    """vLLM servers at ``urls``, or ``engines`` launched from the vLLM environment."""
-    from dew.serving.fleet import EngineFleet
-
-    e = config.engine
-    options = {} if e.on_load is None else {"on_load": e.on_load}
-    if e.urls:
-        return EngineFleet(
-            list(e.urls),
-            api_key=e.api_key(),
-            engine="vllm",
-            engine_options=options,
-            weights_dir=e.weights_dir,
-        )
-    return EngineFleet.launch(
-        e.engines,
-        model=config.model.path,
-        engine="vllm",
-        python=e.python,
-        args=e.args,
-        seed=config.training.seed,
-        engine_options=options,
-        weights_dir=e.weights_dir,
-    )

@@ -47,7 +47,8 @@ dew's extensions:
 * ``/health`` and ``/get_model_info`` report ``dew_version`` and ``dew_run`` (the run
   holding the server, or null); health also
   ``dew_in_flight``, the ``/generate`` requests being served; model info also
-  ``dew_max_len``, ``dew_vocab_size`` and ``dew_eos_token_ids``.
+  ``dew_device`` (where the model runs), ``dew_max_len``, ``dew_vocab_size`` and
+  ``dew_eos_token_ids``.
 * Errors are ``{"error": {"message", "param", "type"}}`` with a 4xx naming the field;
   weight-push refusals add SGLang's ``{"success": false, "message"}``. A closed or broken
   engine answers 503. With an API key, every endpoint but ``/health`` needs
@@ -320,6 +321,7 @@ def build_app(
                 "is_generation": True,
                 "dew_version": engine.version,
                 "dew_run": state.claim.held_by,
+                "dew_device": str(engine.device),
                 "dew_max_len": engine.max_len,
                 "dew_vocab_size": engine.vocab_size,
                 "dew_eos_token_ids": list(engine.eos_token_ids),

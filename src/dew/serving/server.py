@@ -118,7 +118,8 @@ class RolloutServer(Engine):
     ``on_load``: what a weight load does to running requests and kept prefixes
     (``"recompute"``: recomputed and dropped, every later token from the new weights
     alone; ``"keep"``: left as they are, the load costs nothing but the copy; see the
-    module docstring).
+    module docstring). ``device``: where the engine's copy goes (default: where
+    ``model`` is), so an engine can run on another GPU than the trainer.
 
     Greedy requests (``temperature=0``) report log-prob 0.0 per token (the point mass on
     the argmax), ``temperature=1.0`` in their :class:`Call`, and a one-id support per
@@ -146,6 +147,7 @@ class RolloutServer(Engine):
         share_prefixes: bool = True,
         prefix_cache: int | None = None,
         on_load: str = "recompute",
+        device: str | torch.device | None = None,
     ) -> None:
         version = as_int(version, "version")
         if version < 0:
@@ -170,6 +172,8 @@ class RolloutServer(Engine):
         if on_load not in ON_LOAD:
             raise ValueError(f"on_load={on_load!r} is not one of {list(ON_LOAD)}")
         self._model = copy.deepcopy(model).eval().requires_grad_(False)
+        if device is not None:  # the engine's copy on its own device, the trainer's stays
+            self._model.to(device)
         call = ModelCall(self._model)  # refuses unsupported attention kinds
         self._targets = self._model.state_dict()  # shares storage with the copy
         self._vocab = int(config.vocab_size)
@@ -207,6 +211,11 @@ class RolloutServer(Engine):
         self._thread.start()
 
     # ------------------------------------------------------------------ public API
+
+    @property
+    def device(self) -> torch.device:
+        """Where the engine's copy of the model is."""
+        return next(self._model.parameters()).device
 
     @property
     def version(self) -> int:

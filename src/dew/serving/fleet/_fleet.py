@@ -185,6 +185,7 @@ class EngineFleet(Care, Publish, Engine):
         router: str | None = None,
         engine: str = "dew",
         python: str | Path | None = None,
+        devices: Sequence[str] | None = None,
         **kwargs: Any,
     ) -> EngineFleet:
         """Start ``count`` local engine processes on 127.0.0.1 and return a fleet that
@@ -202,6 +203,10 @@ class EngineFleet(Care, Publish, Engine):
         environment's interpreter ``python`` (default ``$DEW_VLLM_PYTHON``), with
         ``--seed seed`` and ``args`` (``--dtype``, ``--max-model-len``, ...) after the
         flags dew needs; their weight pushes may read only the fleet's weights folder.
+
+        ``devices``: one torch device per engine (``cuda:1``, ``cuda:2``, ...): a ``dew
+        serve`` gets ``--device``, a vLLM server sees only that GPU
+        (``CUDA_VISIBLE_DEVICES``). A restarted engine comes back on its own device.
         """
         count = as_int(count, "count")
         if count < 1 or (demo is None) == (model is None):
@@ -213,6 +218,7 @@ class EngineFleet(Care, Publish, Engine):
         locals_ = local_processes(
             engine, count, demo=demo, model=model, seed=seed, args=args, env=env,
             python=python, router=router, weights_dir=kwargs.get("weights_dir"),
+            devices=devices,
         )  # fmt: skip
         never = threading.Event()
         urls: list[Future[str]] = []

@@ -51,9 +51,17 @@ def local_processes(
     python: str | os.PathLike[str] | None,
     router: str | None,
     weights_dir: str | os.PathLike[str],
+    devices: Sequence[str] | None = None,
 ) -> list[Process]:
     """The ``count`` local servers :meth:`EngineFleet.launch` starts (its docstring),
-    whose weight pushes read only ``weights_dir``."""
+    whose weight pushes read only ``weights_dir``, each on its own of ``devices``."""
+    if devices is not None and (
+        isinstance(devices, str)
+        or len(devices) != count
+        or not all(isinstance(d, str) and d for d in devices)
+    ):
+        raise ValueError(f"devices must name one device per engine ({count}), got {devices!r}")
+    places: list[str | None] = [None] * count if devices is None else list(devices)
     if engine == "vllm":
         if model is None or router is not None:
             raise ValueError("engine='vllm' serves a model folder (model=), with no router")
@@ -62,14 +70,25 @@ def local_processes(
         interpreter = vllm_python(python)
         vllm_args = [*args, "--seed", str(seed)]
         return [
-            VLLMProcess(interpreter, model, weights_dir=weights_dir, args=vllm_args, env=env)
-            for _ in range(count)
+            VLLMProcess(
+                interpreter, model, weights_dir=weights_dir, args=vllm_args, env=_gpu(env, d)
+            )
+            for d in places
         ]
     what = ["--demo", str(demo)] if demo is not None else ["--model", str(model)]
     argv = [sys.executable, "-m", "dew.serve", *what, "--seed", str(seed)]
     argv += ["--weights-dir", str(weights_dir), *args, "--host", "127.0.0.1", "--port", "0"]
     environ = None if env is None else {**os.environ, **env}
-    return [Local(list(argv), environ) for _ in range(count)]
+    return [Local([*argv, *(["--device", d] if d else [])], environ) for d in places]
+
+
+def _gpu(env: Mapping[str, str] | None, device: str | None) -> Mapping[str, str] | None:
+    """``env`` for a vLLM server on ``device``: vLLM takes the first GPU it sees, so a
+    ``cuda:N`` is the only one it is shown (``cpu`` or a bare ``cuda``: as it is)."""
+    kind, _, index = (device or "").partition(":")
+    if kind != "cuda" or not index:
+        return env
+    return {**(env or {}), "CUDA_VISIBLE_DEVICES": index}
 
 
 class Process(Protocol):
@@ -137,13 +156,17 @@ class Local:
             prefix = PREFIX.encode()
             while prefix not in buffer or b"\n" not in buffer.split(prefix, 1)[1]:
                 if stopping.is_set() or time.monotonic() > end:
+                    said = self.tail()  # before stop() lets the file go
                     self.stop(0.0)
-                    raise EngineError(f"dew serve did not listen in time: {self.tail()}")
+                    raise EngineError(f"dew serve did not listen in time: {said}")
                 if sel.select(0.2):
                     chunk = os.read(self.proc.stdout.fileno(), 4096)
                     if not chunk:
+                        with contextlib.suppress(subprocess.TimeoutExpired):
+                            self.proc.wait(5.0)  # its last words are in the file once it ends
+                        said = self.tail()
                         self.stop(0.0)
-                        raise EngineError(f"dew serve exited: {self.tail()}")
+                        raise EngineError(f"dew serve exited: {said.strip()}")
                     buffer += chunk
         line = buffer.decode().split(PREFIX, 1)[1]
         return line.splitlines()[0].strip()

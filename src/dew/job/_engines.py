@@ -1,0 +1,227 @@
+"""The engine of a ``dew train`` run: its ``[engine]`` section, and the engine (or
+fleet) built from it: in process, launched ``dew serve`` or vLLM processes (each on
+its own device), or servers at URLs that the run holds while it pushes to them."""
+
+from __future__ import annotations
+
+import os
+import socket
+from contextlib import ExitStack
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal
+
+from pydantic import field_validator, model_validator
+
+from dew._devices import DEVICE_PATTERN, device_problem
+from dew._net import API_KEY_ENV
+from dew.job._base import ConfigError, Section
+
+if TYPE_CHECKING:
+    from dew.job.config import JobConfig
+
+__all__ = ["EngineSection", "check_devices", "make_engine"]
+
+
+class EngineSection(Section):
+    kind: Literal["in-process", "fleet", "urls", "vllm"] = "in-process"  # where rollouts run
+    engines: int = 2  # kind = "fleet" or "vllm": local engine processes
+    urls: tuple[str, ...] = ()  # kind = "urls": dew serve servers; "vllm": vLLM servers
+    # kind = "vllm" only: the vLLM environment's interpreter for launched servers (none:
+    # $DEW_VLLM_PYTHON), more vLLM server flags, and what a weight push does to the
+    # requests in flight (none: VLLMEngine's default).
+    python: str | None = None
+    args: tuple[str, ...] = ()  # kind = "vllm": more vLLM server flags
+    on_load: Literal["recompute", "keep"] | None = None  # kind = "vllm": see above
+    # Where weight pushes are written for engine processes to read (none: a private
+    # folder in shared memory); servers started elsewhere must be able to read it (a vLLM
+    # server reads only its DEW_VLLM_WEIGHTS_DIR, when set).
+    weights_dir: str | None = None
+    # The servers' API key, for urls: read from this file (none: from $DEW_API_KEY, if
+    # set). The key itself is never a field, so it is never printed or saved with the run.
+    api_key_file: str | None = None
+    # kind = "fleet" only: an sglang-router in front of the engines, with this policy
+    # ("cache_aware", "round_robin", ...; the router extra), started and owned by the run.
+    router: str | None = None
+    # kind = "urls": push to servers another run holds (one killed before it released
+    # them); that run's next push is then refused.
+    takeover: bool = False
+    # Where the engines run: one torch device per launched engine (kind = "fleet" or
+    # "vllm": ["cuda:1", "cuda:2"]), or the in-process engine's (["cuda:1"]); none:
+    # with the trainer's model (in-process), or each server's own default.
+    devices: tuple[str, ...] = ()
+
+    @field_validator("engines")
+    @classmethod
+    def _some(cls, value: int) -> int:
+        if value < 1:
+            raise ValueError("must be >= 1")
+        return value
+
+    @model_validator(mode="after")
+    def _urls_for_urls(self) -> EngineSection:
+        if self.kind == "urls" and not self.urls:
+            raise ValueError('kind = "urls" needs urls = ["http://host:port", ...]')
+        vllm_only = {"python": self.python, "args": self.args, "on_load": self.on_load}
+        stray = [name for name, value in vllm_only.items() if value and self.kind != "vllm"]
+        if stray:
+            raise ValueError(f'{", ".join(stray)} apply to kind = "vllm" only')
+        if self.kind == "vllm" and self.urls and (self.python or self.args):
+            raise ValueError("python and args launch vLLM servers; with urls none is launched")
+        self._check_devices()
+        if self.takeover and self.kind != "urls":
+            raise ValueError('takeover is for servers at urls: kind = "urls"')
+        if self.router is not None and self.kind != "fleet":
+            raise ValueError('router puts a launched fleet behind sglang-router: kind = "fleet"')
+        if self.weights_dir and self.kind == "in-process":
+            raise ValueError("weights_dir is for engine processes; in-process needs none")
+        if self.api_key_file is not None:
+            if not self.urls:
+                raise ValueError("api_key_file is for servers at urls (launched ones need none)")
+            self.api_key()  # a missing or empty file, said before anything runs
+        if self.kind == "vllm" and not self.urls:
+            from dew.serving.vllm import vllm_python
+
+            vllm_python(self.python)  # a missing vLLM environment, said before anything runs
+        return self
+
+    def _check_devices(self) -> None:
+        if not self.devices:
+            return
+        bad = [d for d in self.devices if not DEVICE_PATTERN.fullmatch(d)]
+        if bad:
+            raise ValueError(f"devices: {bad[0]!r} is not a device name (cpu, cuda, cuda:N)")
+        if self.urls:
+            raise ValueError("devices place launched engines; servers at urls place themselves")
+        want = 1 if self.kind == "in-process" else self.engines
+        if len(self.devices) != want:
+            raise ValueError(
+                f"devices: {len(self.devices)} given, one per engine: {want} "
+                f"({'in-process' if self.kind == 'in-process' else 'engines'})"
+            )
+
+    def api_key(self) -> str | None:
+        """The key for the servers at ``urls``: ``api_key_file``'s content, else
+        ``$DEW_API_KEY``, else none."""
+        if self.api_key_file is None:
+            return os.environ.get(API_KEY_ENV) or None
+        path = Path(self.api_key_file).expanduser()
+        try:
+            key = path.read_text().strip()
+        except OSError as exc:
+            raise ValueError(f"api_key_file: {path} cannot be read ({exc.strerror})") from None
+        if not key or "\n" in key:
+            raise ValueError(f"api_key_file: {path} must hold the key alone, on one line")
+        return key
+
+
+def check_devices(config: JobConfig) -> None:
+    """ConfigError for a device of the config that this machine does not have (the
+    trainer's, and the engines' where they are launched here)."""
+    named = [("training.device", config.training.device)]
+    named += [("engine.devices", d) for d in config.engine.devices]
+    for field, device in named:
+        problem = None if device is None else device_problem(device)
+        if problem is not None:
+            raise ConfigError(f"{field}: {device}: {problem}")
+
+
+def make_engine(config: JobConfig, model: Any, max_batch: int, stack: ExitStack, run: Path) -> Any:
+    """The run's engine (closed by ``stack``); servers at ``urls`` that cannot be driven,
+    or that another live run holds, are a ConfigError."""
+    from dew.core import EngineError
+
+    try:
+        engine = _make_engine(config, model, max_batch, stack, _run_id(run))
+    except (EngineError, ValueError) as exc:
+        if not config.engine.urls:
+            raise
+        why = _first_line(exc)
+        if "API key" in why:
+            why += f" (the key comes from engine.api_key_file, else ${API_KEY_ENV})"
+        raise ConfigError(f"engine.urls: {why}") from None
+    if config.engine.kind == "urls" and not config.engine.takeover:
+        for member in engine.members():
+            if member.held_by not in (None, _run_id(run)):
+                raise ConfigError(
+                    f"engine.urls: {member.url} is held by run {member.held_by!r}, which "
+                    "has not released it: stop that trainer, or set engine.takeover = true "
+                    "to take the server over"
+                )
+    return engine
+
+
+def _run_id(run: Path) -> str:
+    """The run's name on the servers it pushes to: the same on a resume, so a resumed
+    run takes its servers back; another folder (or machine) is another run."""
+    return f"{socket.gethostname()}:{run.resolve()}"
+
+
+def _first_line(exc: BaseException) -> str:
+    return (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+
+
+def _make_engine(
+    config: JobConfig, model: Any, max_batch: int, stack: ExitStack, run_id: str
+) -> Any:
+    kind = config.engine.kind
+    if kind == "in-process":
+        from dew.serving import RolloutServer
+
+        engine: Any = RolloutServer(
+            model,
+            max_batch=max_batch,
+            seed=config.training.seed,
+            device=config.engine.devices[0] if config.engine.devices else None,
+        )
+    elif kind == "fleet":
+        from dew.serving.fleet import EngineFleet
+
+        engine = EngineFleet.launch(
+            config.engine.engines,
+            model=config.model.path,
+            seed=config.training.seed,
+            args=["--max-batch", str(max_batch)],
+            weights_dir=config.engine.weights_dir,
+            router=config.engine.router,
+            devices=config.engine.devices or None,
+        )
+    elif kind == "vllm":
+        engine = _vllm_fleet(config)
+    else:
+        from dew.serving.fleet import EngineFleet
+
+        engine = EngineFleet(
+            list(config.engine.urls),
+            api_key=config.engine.api_key(),
+            weights_dir=config.engine.weights_dir,
+            engine_options={"run": run_id, "takeover": config.engine.takeover},
+        )
+    stack.callback(engine.close)
+    return engine
+
+
+def _vllm_fleet(config: JobConfig) -> Any:
+    """vLLM servers at ``urls``, or ``engines`` launched from the vLLM environment."""
+    from dew.serving.fleet import EngineFleet
+
+    e = config.engine
+    options = {} if e.on_load is None else {"on_load": e.on_load}
+    if e.urls:
+        return EngineFleet(
+            list(e.urls),
+            api_key=e.api_key(),
+            engine="vllm",
+            engine_options=options,
+            weights_dir=e.weights_dir,
+        )
+    return EngineFleet.launch(
+        e.engines,
+        model=config.model.path,
+        engine="vllm",
+        python=e.python,
+        args=e.args,
+        seed=config.training.seed,
+        engine_options=options,
+        weights_dir=e.weights_dir,
+        devices=e.devices or None,
+    )
