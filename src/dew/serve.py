@@ -78,18 +78,20 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def _load_model(args: argparse.Namespace, device: str) -> tuple[Any, str, str | None]:
-    """(model on ``device``, model_path to report, tokenizer_path or None)."""
+def _load_model(args: argparse.Namespace, device: str) -> tuple[Any, str, str | None, Any]:
+    """(model on ``device``, model_path to report, tokenizer_path or None, the tokenizer
+    or None)."""
     import torch
 
     dtype = getattr(torch, args.dtype)
     if args.demo is not None:
-        from dew.demo.model import make_model
+        from dew.demo.model import make_model, make_tokenizer
 
         model = make_model("qwen2", args.demo, seed=args.seed)
-        return model.to(device=device, dtype=dtype), f"dew-demo:qwen2-{args.demo}", None
+        where = f"dew-demo:qwen2-{args.demo}"
+        return model.to(device=device, dtype=dtype), where, None, make_tokenizer()
     import transformers
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     path = os.path.abspath(args.model)
     if not os.path.isdir(path):
@@ -100,7 +102,8 @@ def _load_model(args: argparse.Namespace, device: str) -> tuple[Any, str, str | 
     has_tokenizer = any(
         os.path.exists(os.path.join(path, f)) for f in ("tokenizer.json", "tokenizer_config.json")
     )
-    return model.to(device).eval(), path, path if has_tokenizer else None
+    tokenizer = AutoTokenizer.from_pretrained(path) if has_tokenizer else None
+    return model.to(device).eval(), path, path if has_tokenizer else None, tokenizer
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -159,7 +162,7 @@ def _serve(args: argparse.Namespace, api_key: str | None, stopping: list[int]) -
             print(f"dew serve: error: --device {device}: {problem}", file=sys.stderr)
             return 2
         try:
-            model, model_path, tokenizer_path = _load_model(args, device)
+            model, model_path, tokenizer_path, tokenizer = _load_model(args, device)
             # Only what was given: the engine's own defaults are written once, there.
             given = {"max_batch": args.max_batch} if args.max_batch is not None else {}
             engine = RolloutServer(
@@ -176,6 +179,7 @@ def _serve(args: argparse.Namespace, api_key: str | None, stopping: list[int]) -
                     api_key=api_key,
                     model_path=model_path,
                     tokenizer_path=tokenizer_path,
+                    tokenizer=tokenizer,
                     reference=model.state_dict(),
                     weights_dir=args.weights_dir,
                     group_timeout=args.group_timeout,

@@ -85,10 +85,13 @@ class SamplingBody(_Strict):
 
 
 class GenerateBody(_Strict):
-    input_ids: list[int]
-    sampling_params: SamplingBody
+    # One prompt, or a batch of them (SGLang's form: lists of prompts, and of rids and
+    # sampling params or one for all); token ids, or text with the model's tokenizer.
+    input_ids: list[int] | list[list[int]] | None = None
+    text: str | list[str] | None = None
+    sampling_params: SamplingBody | list[SamplingBody]
     return_logprob: bool = False
-    rid: str | None = None
+    rid: str | list[str] | None = None
     # What SGLang's clients, sglang-router among them, send with these defaults. Taken at
     # those values; any other asks for something dew serve does not do (400 naming it).
     model: str | None = None
@@ -158,13 +161,12 @@ async def parse_body(request: Request, model: type[_M]) -> _M:
         raise Refusal(400, "malformed JSON body: nested too deeply", "body") from None
     if not isinstance(data, dict):
         raise Refusal(400, f"the body must be a JSON object, got {type(data).__name__}", "body")
-    if model is GenerateBody and "text" in data:
-        raise Refusal(400, "text prompts are not supported; send input_ids (token ids)", "text")
     try:
         return model.model_validate(data)
     except ValidationError as exc:
         first = exc.errors()[0]
-        loc = first["loc"]
+        # A union's member (list[int], SamplingBody, str, ...) is no part of the field.
+        loc = [p for p in first["loc"] if not (isinstance(p, str) and _is_type_tag(p))]
         param = ".".join(str(p) for p in loc if isinstance(p, str)) or "body"
         where = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in loc).lstrip(".")
         kind = first["type"]
@@ -175,6 +177,10 @@ async def parse_body(request: Request, model: type[_M]) -> _M:
         else:
             message = f"{where or 'body'}: {first['msg']} (got {first.get('input')!r:.80})"
         raise Refusal(400, message, param) from None
+
+
+def _is_type_tag(part: str) -> bool:
+    return "[" in part or part[:1].isupper() or part in ("str", "int", "float", "bool")
 
 
 # --------------------------------------------------------------------------- state
@@ -194,6 +200,7 @@ class ServeState:
         api_key: str | None,
         model_path: str,
         tokenizer_path: str | None,
+        tokenizer: Any = None,
         reference: Mapping[str, torch.Tensor] | None,
         weights_dir: Path,
         group_timeout: float,
@@ -202,6 +209,7 @@ class ServeState:
         self.api_key = api_key or None
         self.model_path = model_path
         self.tokenizer_path = tokenizer_path
+        self.tokenizer = tokenizer  # for text prompts and answers; None: token ids only
         self.shapes = (
             None
             if reference is None

@@ -5,14 +5,22 @@ both; dew's additions are fields prefixed ``dew_``. This docstring is the contra
 
 Supported subset of SGLang's API:
 
-* ``POST /generate``: ``input_ids`` (one prompt; ``text`` prompts and batches are
-  refused), ``sampling_params`` with ``max_new_tokens``, ``temperature``, ``top_k``
-  (-1 = off), ``top_p``, ``stop_token_ids`` (absent/null = the model's eos ids, ``[]`` =
-  never stop early), ``return_logprob`` and ``rid``. Answers ``output_ids`` and
+* ``POST /generate``: ``input_ids`` or ``text`` (with the model's tokenizer), one
+  prompt or a batch (a list of prompts; ``rid`` then a list, ``sampling_params`` one
+  for all or a list), ``sampling_params`` with ``max_new_tokens``, ``temperature``,
+  ``top_k`` (-1 = off), ``top_p``, ``stop_token_ids`` (absent/null = the model's eos
+  ids, ``[]`` = never stop early), ``return_logprob`` and ``rid``. Answers (a list, for
+  a batch, in its order, once all of it is done) ``output_ids``, ``text`` (the
+  completion decoded without special tokens, when the server has a tokenizer) and
   ``meta_info`` with ``id``, ``finish_reason`` (``stop`` with ``matched``, ``length``
   with ``length``, or ``abort``), ``prompt_tokens``, ``completion_tokens``,
   ``output_token_logprobs`` (``[logprob, token_id, null]`` per token, with
-  ``return_logprob``) and ``weight_version``.
+  ``return_logprob``) and ``weight_version``. Greedy requests (``temperature`` 0)
+  answer log-prob 0.0 per token with ``dew_temperature`` 1.0 and a one-id support,
+  where SGLang answers the model's log-probs: 0.0 is the probability of the token
+  under the distribution that drew it (a point mass), which is what a trainer's
+  importance ratio needs, and the model's own log-probs are what the trainer's
+  forward computes anyway.
 * ``POST /abort_request`` (``rid``), ``POST /update_weights_from_disk``
   (``model_path``), ``POST /init_weights_update_group`` and
   ``POST /update_weights_from_distributed`` (SGLang's names and fields), ``GET /health``
@@ -79,6 +87,7 @@ import math
 import os
 import uuid
 from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -91,6 +100,7 @@ from dew.serving._http_common import (
     AbortBody,
     GenerateBody,
     Refusal,
+    SamplingBody,
     ServeState,
     parse_body,
 )
@@ -107,26 +117,73 @@ __all__ = ["ServeState", "build_app"]
 # --------------------------------------------------------------------------- generate
 
 
-def _sampling(state: ServeState, req: GenerateBody) -> SamplingParams:
-    """The request's SamplingParams, once everything the model decides is checked."""
-    vocab, max_len = state.engine.vocab_size, state.engine.max_len
-    ids, sp, p = req.input_ids, req.sampling_params, "sampling_params."
+@dataclass(frozen=True)
+class _Item:
+    """One prompt of a ``/generate`` (the only one, or one of a batch), checked."""
+
+    ids: list[int]
+    params: SamplingParams
+    rid: str
+
+
+def _items(state: ServeState, req: GenerateBody) -> tuple[list[_Item], bool]:
+    """The request's prompts, each checked, and whether it came as a batch (SGLang's
+    form: lists of prompts, and of rids and sampling params or one for all)."""
+    if (req.input_ids is None) == (req.text is None):
+        raise Refusal(400, "send input_ids or text (one of them)", "input_ids")
+    if req.text is not None:
+        if state.tokenizer is None:
+            message = "text prompts need the model's tokenizer, which this server has none of"
+            raise Refusal(400, message + "; send input_ids", "text")
+        field, batch = "text", isinstance(req.text, list)
+        texts = req.text if isinstance(req.text, list) else [req.text]
+        prompts = [[int(t) for t in state.tokenizer(x)["input_ids"]] for x in texts]
+    else:
+        ids = req.input_ids
+        field, batch = "input_ids", bool(ids) and isinstance(ids[0], list)
+        prompts = ids if batch else [ids]  # type: ignore[assignment,list-item]
+    n = len(prompts)
+    if batch and n == 0:
+        raise Refusal(400, f"{field} is an empty batch", field)
+    sampling = req.sampling_params
+    if isinstance(sampling, list) and (not batch or len(sampling) != n):
+        message = f"sampling_params is a list of {len(sampling)}; give one, or one per prompt ({n})"
+        raise Refusal(400, message, "sampling_params")
+    rids = req.rid if req.rid is not None else [uuid.uuid4().hex for _ in range(n)]
+    if isinstance(rids, str):
+        if batch:
+            raise Refusal(400, f"rid must be a list of {n} for a batch of {n}", "rid")
+        rids = [rids]
+    if len(rids) != n or not all(rids) or len(set(rids)) != n:
+        raise Refusal(400, f"rid must be {n} distinct non-empty strings", "rid")
+    items = []
+    for i, (prompt, rid) in enumerate(zip(prompts, rids, strict=True)):
+        sp = sampling[i] if isinstance(sampling, list) else sampling
+        name = f"{field}[{i}]" if batch else field
+        if rid in state.inflight:
+            raise Refusal(400, f"rid {rid!r} is already in flight", "rid")
+        items.append(_Item(prompt, _sampling(state, prompt, sp, name), rid))
+    return items, batch
+
+
+def _sampling(state: ServeState, ids: list[int], sp: SamplingBody, name: str) -> SamplingParams:
+    """One prompt's SamplingParams, once everything the model decides is checked."""
+    vocab, max_len, p = state.engine.vocab_size, state.engine.max_len, "sampling_params."
     if not ids:
-        raise Refusal(400, "input_ids is empty; it needs at least one token id", "input_ids")
+        raise Refusal(400, f"{name} is empty; it needs at least one token", name)
     for i, t in enumerate(ids):
         if not 0 <= t < vocab:
-            raise Refusal(
-                400, f"input_ids[{i}] = {t} is outside the vocabulary [0, {vocab})", "input_ids"
-            )
+            message = f"{name}[{i}] = {t} is outside the vocabulary [0, {vocab})"
+            raise Refusal(400, message, name)
     if sp.max_new_tokens < 1:
         raise Refusal(
             400, f"max_new_tokens must be >= 1, got {sp.max_new_tokens}", p + "max_new_tokens"
         )
     if len(ids) >= max_len:
-        message = f"input_ids has {len(ids)} tokens; the context length {max_len} leaves no room"
-        raise Refusal(400, message, "input_ids")
+        message = f"{name} has {len(ids)} tokens; the context length {max_len} leaves no room"
+        raise Refusal(400, message, name)
     if len(ids) + sp.max_new_tokens > max_len:
-        message = f"len(input_ids) + max_new_tokens = {len(ids)} + {sp.max_new_tokens} > {max_len}"
+        message = f"len({name}) + max_new_tokens = {len(ids)} + {sp.max_new_tokens} > {max_len}"
         raise Refusal(400, message + " (the context length)", p + "max_new_tokens")
     if not math.isfinite(sp.temperature) or sp.temperature < 0:
         raise Refusal(
@@ -172,7 +229,7 @@ async def _disconnected(request: Request) -> None:
             return
 
 
-def _answer(rid: str, prompt: int, req: GenerateBody, call: Any) -> dict[str, Any]:
+def _answer(state: ServeState, item: _Item, logprobs: bool, call: Any) -> dict[str, Any]:
     completion = [int(t) for t in call.completion]
     n = len(completion)
     if call.finish_reason == "stop":
@@ -180,9 +237,9 @@ def _answer(rid: str, prompt: int, req: GenerateBody, call: Any) -> dict[str, An
     else:
         finish = {"type": "length", "length": n}
     meta: dict[str, Any] = {
-        "id": rid,
+        "id": item.rid,
         "finish_reason": finish,
-        "prompt_tokens": prompt,
+        "prompt_tokens": len(item.ids),
         "completion_tokens": n,
         "weight_version": int(call.version),
         "dew_temperature": float(call.temperature),
@@ -192,67 +249,78 @@ def _answer(rid: str, prompt: int, req: GenerateBody, call: Any) -> dict[str, An
             else None
         ),
     }
-    if req.return_logprob:
+    if logprobs:
         meta["output_token_logprobs"] = [
             [float(lp), t, None] for lp, t in zip(call.log_probs, completion, strict=True)
         ]
-    return {"output_ids": completion, "meta_info": meta}
+    answer: dict[str, Any] = {"output_ids": completion, "meta_info": meta}
+    if state.tokenizer is not None:
+        answer["text"] = state.tokenizer.decode(completion, skip_special_tokens=True)
+    return answer
 
 
-def _aborted(
-    rid: str, prompt: int, req: GenerateBody, exc: Aborted, version: int
-) -> dict[str, Any]:
+def _aborted(state: ServeState, item: _Item, logprobs: bool, exc: Aborted) -> dict[str, Any]:
     meta: dict[str, Any] = {
-        "id": rid,
+        "id": item.rid,
         "finish_reason": {"type": "abort"},
-        "prompt_tokens": prompt,
+        "prompt_tokens": len(item.ids),
         "completion_tokens": int(exc.tokens),
-        "weight_version": version,
-        "dew_temperature": req.sampling_params.temperature or 1.0,
+        "weight_version": state.engine.version,
+        "dew_temperature": item.params.temperature or 1.0,
         "dew_support": None,
     }
-    if req.return_logprob:
+    if logprobs:
         meta["output_token_logprobs"] = []
-    return {"output_ids": [], "meta_info": meta}
+    answer: dict[str, Any] = {"output_ids": [], "meta_info": meta}
+    if state.tokenizer is not None:
+        answer["text"] = ""
+    return answer
 
 
 async def _generate(state: ServeState, request: Request) -> Response:
     state.authorize(request)
     req = await parse_body(request, GenerateBody)
-    params = _sampling(state, req)
-    rid = req.rid if req.rid is not None else uuid.uuid4().hex
-    if not rid:
-        raise Refusal(400, "rid must be a non-empty string", "rid")
-    if rid in state.inflight:
-        raise Refusal(400, f"rid {rid!r} is already in flight", "rid")
+    items, batch = _items(state, req)
     engine = state.engine
+    futures: list[Any] = []
+    watcher: asyncio.Future[None] | None = None
     try:
-        future = engine.submit(req.input_ids, params)
-    except ValueError as exc:  # checked above; the engine's own word as a fallback
-        raise Refusal(400, str(exc), "input_ids") from None
-    except RuntimeError as exc:
-        raise Refusal(503, f"the engine is not serving: {exc}", None) from None
-    state.inflight[rid] = future
-    watcher = asyncio.ensure_future(_disconnected(request))
-    result = asyncio.wrap_future(future)
-    try:
-        await asyncio.wait({watcher, result}, return_when=asyncio.FIRST_COMPLETED)
-        if not result.done():
-            engine.abort(future)  # the client left; the engine drops it within an iteration
-        try:
-            call = await result
-        except Aborted as exc:
-            return JSONResponse(_aborted(rid, len(req.input_ids), req, exc, engine.version))
-        except ValueError as exc:  # this request's draw alone failed (non-finite logits)
-            raise Refusal(422, f"rid {rid!r}: {exc}", "sampling_params") from None
-        except RuntimeError as exc:
-            raise Refusal(503, f"the engine is not serving: {exc}", None) from None
-        return JSONResponse(_answer(rid, len(req.input_ids), req, call))
+        for item in items:
+            try:
+                futures.append(engine.submit(item.ids, item.params))
+            except ValueError as exc:  # checked above; the engine's own word as a fallback
+                raise Refusal(400, str(exc), "input_ids") from None
+            except RuntimeError as exc:
+                raise Refusal(503, f"the engine is not serving: {exc}", None) from None
+            state.inflight[item.rid] = futures[-1]
+        watcher = asyncio.ensure_future(_disconnected(request))
+        results = asyncio.gather(*map(asyncio.wrap_future, futures), return_exceptions=True)
+        await asyncio.wait({watcher, results}, return_when=asyncio.FIRST_COMPLETED)
+        for future in futures:  # the client left; the engine drops them within an iteration
+            if not future.done():
+                engine.abort(future)
+        answers = []
+        for item, outcome in zip(items, await results, strict=True):
+            if isinstance(outcome, Aborted):
+                answers.append(_aborted(state, item, req.return_logprob, outcome))
+            elif isinstance(outcome, ValueError):  # this prompt's draw alone failed
+                message = f"rid {item.rid!r}: {outcome}"
+                raise Refusal(422, message, "sampling_params") from None
+            elif isinstance(outcome, RuntimeError):
+                message = f"the engine is not serving: {outcome}"
+                raise Refusal(503, message, None) from None
+            elif isinstance(outcome, BaseException):
+                raise outcome
+            else:
+                answers.append(_answer(state, item, req.return_logprob, outcome))
+        return JSONResponse(answers if batch else answers[0])
     finally:
-        watcher.cancel()
-        if not future.done():  # this handler was cancelled: nobody will read the answer
-            engine.abort(future)
-        state.inflight.pop(rid, None)
+        if watcher is not None:
+            watcher.cancel()
+        for item, future in zip(items, futures, strict=False):
+            if not future.done():  # this handler was cancelled: nobody will read the answer
+                engine.abort(future)
+            state.inflight.pop(item.rid, None)
 
 
 # --------------------------------------------------------------------------- app
@@ -264,6 +332,7 @@ def build_app(
     api_key: str | None = None,
     model_path: str = "",
     tokenizer_path: str | None = None,
+    tokenizer: Any = None,
     reference: Mapping[str, torch.Tensor] | None = None,
     weights_dir: str | os.PathLike[str] | None = None,
     group_timeout: float = 30.0,
@@ -275,13 +344,16 @@ def build_app(
     file. ``weights_dir``: the only folder whose files a push may name (default
     :func:`dew.serving.weights.weights_root`, where engines on this machine write).
     ``group_timeout``: seconds a join of a trainer's broadcast group may wait for it,
-    and each receive in it; one join at a time. ``state.close()`` lets its thread go.
+    and each receive in it; one join at a time. ``tokenizer`` (the model's): takes
+    ``text`` prompts and adds ``text`` to each answer. ``state.close()`` lets its
+    thread go.
     """
     state = ServeState(
         engine,
         api_key=api_key,
         model_path=model_path,
         tokenizer_path=tokenizer_path,
+        tokenizer=tokenizer,
         reference=reference,
         weights_dir=weights_root() if weights_dir is None else Path(weights_dir),
         group_timeout=group_timeout,
