@@ -314,10 +314,18 @@ class DemoRun:
         return self.tokens / self.seconds
 
 
-def demo_run(label: str, engines: int, steps: int, seed: int, router: str | None = None) -> DemoRun:
+def demo_run(
+    label: str,
+    engines: int,
+    steps: int,
+    seed: int,
+    router: str | None = None,
+    batch: bool = False,
+) -> DemoRun:
     """Train the single-turn demo task for ``steps`` with ``engines`` (0: in-process;
     -1: one ``dew serve`` behind a plain HTTPEngine; n: an EngineFleet of n, behind an
-    sglang-router with policy ``router`` if given)."""
+    sglang-router with policy ``router`` if given; ``batch``: its engines send one
+    request per group, ``HTTPEngine(batch_groups=True)``)."""
     from dew.demo.run import DemoConfig, build_job
     from dew.train import fit, read_records
 
@@ -339,6 +347,7 @@ def demo_run(label: str, engines: int, steps: int, seed: int, router: str | None
                 args=serve_args,
                 startup_timeout=300.0,
                 router=router,
+                engine_options={"batch_groups": True} if batch else None,
             )
             engine = stack.enter_context(fleet)  # close() stops its processes
         job = build_job(config, stack, engine=engine)
@@ -407,8 +416,12 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3, help="alternating runs per engine")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--tiny", action="store_true", help="seconds-long smoke run, no write")
+    ap.add_argument("--only", default="", help="demo rows to run, by label, ';'-separated")
+    ap.add_argument("--no-push", action="store_true", help="skip the push-latency part")
     ap.add_argument("--write", action="store_true", help="update bench/RESULTS.md")
     args = ap.parse_args()
+    if args.write and (args.only or args.no_push):
+        ap.error("--write replaces the whole section: leave out --only and --no-push")
     if args.tiny:
         args.sizes, args.pushes, args.steps, args.repeats, args.write = "~0.1M", 2, 3, 1, False
     if "OMP_NUM_THREADS" not in os.environ:  # as dew demo does: half the cores
@@ -417,32 +430,40 @@ def main() -> None:
     t_start = time.perf_counter()
 
     print("push latency", file=sys.stderr)
-    pushes = [push_latency(s, args.pushes) for s in args.sizes.split(",") if s]
+    sizes = [] if args.no_push else [s for s in args.sizes.split(",") if s]
+    pushes = [push_latency(s, args.pushes) for s in sizes]
     pushed = push_table(pushes)
     print(pushed, flush=True)
 
     print("demo workload", file=sys.stderr)
     fleet = _fleet_class()
-    plan: list[tuple[str, int, str | None]] = [("in-process RolloutServer", 0, None)]
+    plan: list[tuple[str, int, str | None, bool]] = [("in-process RolloutServer", 0, None, False)]
     if fleet:
-        plan += [("EngineFleet of 1", 1, None), ("EngineFleet of 2", 2, None)]
+        plan += [
+            ("EngineFleet of 1", 1, None, False),
+            ("EngineFleet of 1, one request per group", 1, None, True),
+            ("EngineFleet of 2", 2, None, False),
+        ]
         if importlib.util.find_spec("sglang_router") is not None:
-            plan.append(("EngineFleet of 2 behind sglang-router", 2, "cache_aware"))
+            plan.append(("EngineFleet of 2 behind sglang-router", 2, "cache_aware", False))
     else:
-        plan.append(("HTTPEngine", -1, None))
-    runs: dict[str, list[DemoRun]] = {label: [] for label, _, _ in plan}
-    failed: dict[str, list[str]] = {label: [] for label, _, _ in plan}
+        plan.append(("HTTPEngine", -1, None, False))
+    if args.only:
+        plan = [p for p in plan if p[0] in args.only.split(";")]
+    runs: dict[str, list[DemoRun]] = {label: [] for label, *_ in plan}
+    failed: dict[str, list[str]] = {label: [] for label, *_ in plan}
     for _ in range(args.repeats):
-        for label, engines, router in plan:
+        for label, engines, router, batch in plan:
             try:
-                runs[label].append(demo_run(label, engines, args.steps, args.seed, router))
+                run = demo_run(label, engines, args.steps, args.seed, router, batch)
+                runs[label].append(run)
             except Exception as exc:  # a failed run is reported, not hidden
                 if engines == 0 or args.tiny:
                     raise
                 first = str(exc).splitlines()[0][:300]
                 failed[label].append(f"{type(exc).__name__}: {first}")
                 print(f"  {label}: FAILED: {failed[label][-1]}", file=sys.stderr, flush=True)
-    variants = [label for label, _, _ in plan if runs[label]]
+    variants = [label for label, *_ in plan if runs[label]]
     failures = "".join(
         f"\n\n{label}: {len(msgs)} of {args.repeats} runs failed: " + "; ".join(msgs)
         for label, msgs in failed.items()

@@ -249,6 +249,24 @@ def test_devices_this_machine_lacks_are_one_line_before_anything_runs(
         assert not (tmp_path / "r").exists()
 
 
+@pytest.mark.timeout(120)
+def test_the_engine_options_reach_the_engines_of_servers_at_urls(tmp_path: Path) -> None:
+    from contextlib import ExitStack
+
+    from dew.job._engines import make_engine
+    from tests.serving._launch import serve
+
+    with serve("--demo", "tiny") as server, ExitStack() as stack:
+        argv = ["--engine.kind", "urls", "--engine.urls", server.url]
+        plain = load_config(write(tmp_path), argv)
+        config = load_config(write(tmp_path), [*argv, "--engine.batch_groups", "true"])
+        for conf, batched in ((plain, False), (config, True)):
+            fleet = make_engine(conf, None, 8, stack, tmp_path / "run")
+            (member,) = fleet._members
+            assert member.engine._batch_groups is batched
+            assert member.engine.run.endswith(str((tmp_path / "run").resolve()))
+
+
 def test_a_missing_or_broken_file_is_named(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="no such config file"):
         load_config(tmp_path / "nope.toml")

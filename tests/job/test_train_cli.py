@@ -444,7 +444,8 @@ def test_one_dew_serve_serves_run_after_run_and_a_held_one_only_by_takeover(
     with serve("--model", str(model_dir)) as server:
         urls = ("--engine.kind", "urls", "--engine.urls", server.url, "--output.wandb", "false")
         for name in ("first", "second"):  # the second counts from 0 after the first's 3
-            done = dew_train(str(path), *urls, "--output.run_dir", str(tmp_path / name))
+            batch = ["--engine.batch_groups", "true"] if name == "second" else []
+            done = dew_train(str(path), *urls, "--output.run_dir", str(tmp_path / name), *batch)
             assert done.returncode == 0, done.stderr[-3000:]
         # A run still holding the server (killed before it released it, say).
         holder = HTTPEngine(server.url, run="elsewhere:/runs/old")

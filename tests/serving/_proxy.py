@@ -19,6 +19,7 @@ class Proxy:
         self.health_open = threading.Event()
         self.health_open.set()
         self.healths = 0  # /health requests forwarded
+        self.generates = 0  # /generate requests forwarded
         self._lock = threading.Lock()
         self._listener = socket.create_server(("127.0.0.1", 0))
         self.url = f"http://127.0.0.1:{self._listener.getsockname()[1]}"
@@ -56,6 +57,9 @@ class Proxy:
                     if self.cut_next_generate.is_set():
                         self.cut_next_generate.clear()
                         break  # never forwarded: the client sees its connection end
+                if requests:
+                    with self._lock:
+                        self.generates += data.count(b"POST /generate ")
                 if requests and data.startswith(b"GET /health"):
                     self.health_open.wait(60)
                     with self._lock:

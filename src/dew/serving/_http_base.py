@@ -103,6 +103,7 @@ class Pending:
     keeps_support: bool
     stop: threading.Event | None
     future: _CallFuture
+    affinity: Hashable | None = None  # the caller's group, where a dialect batches by it
     stopping: bool = False  # the caller asked for the request to end
     abort_sent: float = float("-inf")  # loop time of the last abort
 
@@ -252,9 +253,8 @@ class LoopEngine(Engine):
 
         Same rules as :meth:`dew.serving.RolloutServer.submit`: invalid arguments raise
         ``ValueError`` here, a closed engine ``RuntimeError``; ``affinity`` means nothing
-        to one engine.
+        to one engine (a dialect may send a group's requests together).
         """
-        del affinity
         request = make_request(
             prompt, params, stop, vocab=self._vocab, max_len=self._max_len, eos=self._eos
         )
@@ -262,7 +262,7 @@ class LoopEngine(Engine):
         body = self._generation(request, params, rid)
         future = _CallFuture(self, rid)
         future.set_running_or_notify_cancel()  # only the engine resolves it from now on
-        pending = Pending(rid, body, request.prompt, request.keeps_support, stop, future)
+        pending = Pending(rid, body, request.prompt, request.keeps_support, stop, future, affinity)
         with self._lock:
             if self._closed:
                 raise RuntimeError(f"{self._kind}({self._url}) is closed")
@@ -405,7 +405,8 @@ class LoopEngine(Engine):
         retry: bool = False,
         short: bool = False,
         pool: Pool | None = None,
-    ) -> dict[str, Any]:
+        many: bool = False,
+    ) -> Any:
         """One exchange; the JSON object a 200 answers (``{}`` for an empty body).
         ``ValueError`` for a 4xx (the server's message), :class:`EngineError` for a
         transport fault, a timeout, a 5xx or a malformed answer. A connection never
@@ -413,7 +414,8 @@ class LoopEngine(Engine):
         requests only) so are broken connections and 5xx; a timeout never is (it
         already waited its whole budget). ``short``: the answer is due within the
         connect timeout (requests that do no work); ``pool``: another server's (an
-        abort sent to a worker behind a router)."""
+        abort sent to a worker behind a router); ``many``: the answer is a JSON array
+        (a batch's)."""
         if pool is None:
             pool = self._gen if path == self._generate_path else self._ctl
         timeout = self._connect_timeout if short else self._timeout
@@ -437,8 +439,9 @@ class LoopEngine(Engine):
                 if status == 200:
                     if not response.body:
                         return {}
-                    if not isinstance(data, dict):
-                        raise EngineError(f"{where}: the answer is not a JSON object")
+                    if not isinstance(data, list if many else dict):
+                        kind = "array" if many else "object"
+                        raise EngineError(f"{where}: the answer is not a JSON {kind}")
                     return data
                 fault = EngineError(f"{where}: {status}: {response.error_message()}")
                 if not retry:

@@ -14,6 +14,13 @@ server (:mod:`dew.serving._http_base`). What is this server's:
   ``abort`` and the tokens made so far: ``Aborted(tokens=n)``.
 * ``version`` is set by ``/get_model_info``, ``/health`` and every push, and raised
   (never lowered) by the ``weight_version`` of every response.
+* ``batch_groups``: requests submitted together under one ``affinity`` (a group's
+  samples, as sources submit them) go in one ``/generate`` of SGLang's batch form,
+  which saves the fixed cost of a request per sample; each keeps its own rid (so one
+  is aborted alone) and future. The batch is answered once its last request ends, so
+  this is for short generations of even length: with long or uneven ones, the first
+  finishers wait for the last (and a cut of the slowest, ``oversample``, cannot see
+  them first).
 * Runs: every push names the engine's ``run``; its first push starts the run's version
   sequence, so a new run (or the same run resumed) may count from 0 on a server
   another run pushed to. A server held by another live run refuses it (409, naming
@@ -31,19 +38,24 @@ server (:mod:`dew.serving._http_base`). What is this server's:
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import Hashable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 from dew.core import Aborted, Call, EngineError, SamplingParams
 from dew.core._checks import as_int
-from dew.serving._http_base import LoopEngine, Pending
+from dew.serving._http_base import LoopEngine, Pending, _settle
 from dew.serving._http_client import Pool
 from dew.serving._requests import Request
 
 __all__ = ["HTTPEngine"]
+
+# Seconds a request waits on the loop for the rest of its group (batch_groups): the
+# group's submits come one after another from one thread.
+_GATHER = 0.001
 
 
 class HTTPEngine(LoopEngine):
@@ -64,7 +76,8 @@ class HTTPEngine(LoopEngine):
     does not relay aborts, so each is asked; a worker that never had the rid ignores it).
     ``run``: the trainer run this engine pushes for (default: one of its own, so two
     engines are two runs); ``takeover``: push even while another run holds the server,
-    which that run's next push then finds refused (see the module docstring).
+    which that run's next push then finds refused. ``batch_groups``: one request per
+    group (see the module docstring).
     """
 
     def __init__(
@@ -81,11 +94,17 @@ class HTTPEngine(LoopEngine):
         abort_urls: Sequence[str] = (),
         run: str | None = None,
         takeover: bool = False,
+        batch_groups: bool = False,
     ) -> None:
         if run is not None and (not isinstance(run, str) or not run):
             raise ValueError(f"run must be a non-empty string, got {run!r}")
-        if not isinstance(takeover, bool):
-            raise ValueError(f"takeover must be a bool, got {takeover!r}")
+        for name, flag in (("takeover", takeover), ("batch_groups", batch_groups)):
+            if not isinstance(flag, bool):
+                raise ValueError(f"{name} must be a bool, got {flag!r}")
+        self._batch_groups = batch_groups
+        # Requests waiting for the rest of their group (loop thread only), sent as one.
+        self._gathering: dict[Hashable, list[Pending]] = {}
+        self._flushing: asyncio.TimerHandle | None = None
         self.run = run if run is not None else uuid.uuid4().hex
         self._takeover = takeover
         self._pushed = False  # the first push starts this run's version sequence
@@ -165,6 +184,63 @@ class HTTPEngine(LoopEngine):
             except (EngineError, ValueError, RuntimeError):
                 pass  # a server gone or closing: nothing is held there any more
         super().close()
+
+    def _start(self, p: Pending) -> None:
+        if not self._batch_groups or p.affinity is None:
+            super()._start(p)
+            return
+        self._inflight[p.rid] = p
+        self._gathering.setdefault(p.affinity, []).append(p)
+        if self._flushing is None:  # the group's other submits are on their way
+            self._flushing = self._loop.call_later(_GATHER, self._flush)
+        if self._watcher is None:
+            self._watcher = self._spawn(self._watch())
+
+    def _flush(self) -> None:
+        """Send what gathered: one request per group (a group of one as a plain one)."""
+        self._flushing = None
+        groups, self._gathering = self._gathering, {}
+        for group in groups.values():
+            if len(group) == 1:
+                self._spawn(self._generate(group[0]))
+            else:
+                self._spawn(self._generate_batch(group))
+
+    async def _generate_batch(self, group: list[Pending]) -> None:
+        """One ``/generate`` of SGLang's batch form for ``group``; each request settles
+        with its own answer (the whole batch's error when the exchange failed)."""
+        live = [p for p in group if not p.stopped]
+        outcomes: dict[str, Call | BaseException] = {
+            p.rid: Aborted("generation stopped before it was sent") for p in group if p.stopped
+        }
+        if live:
+            first = live[0].body
+            body = {
+                "input_ids": [p.body["input_ids"] for p in live],
+                "sampling_params": [p.body["sampling_params"] for p in live],
+                "return_logprob": first["return_logprob"],
+                "rid": [p.rid for p in live],
+            }
+            try:
+                answers = await self._request("POST", self._generate_path, body, many=True)
+                if len(answers) != len(live):
+                    raise EngineError(
+                        f"{self._url}{self._generate_path}: malformed batch answer: "
+                        f"{type(answers).__name__} for {len(live)} prompts"
+                    )
+                outcomes.update(
+                    (p.rid, self._outcome(p, a)) for p, a in zip(live, answers, strict=True)
+                )
+            except (EngineError, ValueError) as exc:
+                outcomes.update((p.rid, exc) for p in live)
+            except asyncio.CancelledError:
+                raise  # close() cancelled it; _shutdown resolves the futures
+            except Exception as exc:  # a bug of ours: the requests are lost
+                where = f"{self._url}{self._generate_path}"
+                outcomes.update((p.rid, EngineError(f"{where}: {exc!r}")) for p in live)
+        for p in group:
+            self._inflight.pop(p.rid, None)
+            _settle(p.future, outcomes[p.rid])
 
     async def _abort_request(self, rid: str, pool: Pool | None) -> None:
         await self._request(

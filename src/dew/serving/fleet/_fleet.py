@@ -386,7 +386,10 @@ class EngineFleet(Care, Publish, Engine):
                 settle(call.outer, RuntimeError("EngineFleet is closed"))
                 return
             try:
-                inner = engine.submit(call.prompt, call.params, stop=call.stop)
+                # The affinity goes on: a member may send a group's requests together.
+                inner = engine.submit(
+                    call.prompt, call.params, stop=call.stop, affinity=call.affinity
+                )
             except RuntimeError as exc:  # the member was closed under us: try another
                 if not self._release(call, member):
                     return  # the fleet resolved it meanwhile
