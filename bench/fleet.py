@@ -244,7 +244,7 @@ def push_latency(size: str, pushes: int) -> PushResult:
             def broadcast() -> None:
                 nonlocal version
                 version += 1
-                body = {**spec, "dew_version": version}
+                body = {**spec, "dew_version": version, "dew_run": engine.run}  # its run
 
                 def push() -> httpx.Response:
                     answer = side.submit(client.post, "/update_weights_from_distributed", json=body)

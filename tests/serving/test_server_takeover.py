@@ -9,6 +9,8 @@ from collections.abc import Iterator
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from dew.core import EngineError, SamplingParams
 from dew.serving._claim import Claim, ClaimRefused
@@ -169,3 +171,39 @@ def test_the_claim_rule() -> None:
     assert claim.release("a") is True and claim.held_by is None
     assert claim.check("b", restart=True, takeover=False, now=11) is True
     assert claim.check(None, restart=False, takeover=False, now=11) is False
+
+
+RUNS = st.sampled_from([None, "a", "b"])
+PUSH = st.tuples(st.just("push"), RUNS, st.booleans(), st.booleans())
+RELEASE = st.tuples(st.just("release"), st.sampled_from(["a", "b"]), st.just(False), st.just(False))
+
+
+@settings(max_examples=400, deadline=None)
+@given(st.lists(st.one_of(PUSH, RELEASE), max_size=40))
+def test_the_claim_rule_holds_over_any_sequence_of_pushes_and_releases(
+    events: list[tuple[str, str | None, bool, bool]],
+) -> None:
+    claim = Claim()
+    holder: str | None = None  # the run of the last push that named one
+    released = False
+    for now, (kind, run, restart, takeover) in enumerate(events):
+        if kind == "release":
+            assert run is not None
+            let_go = holder == run and not released
+            assert claim.release(run) is let_go
+            released = released or let_go
+            continue
+        held = None if released else holder
+        allowed = held is None or (run is not None and (held == run or takeover))
+        try:
+            fresh = claim.check(run, restart=restart, takeover=takeover, now=float(now))
+        except ClaimRefused:
+            assert not allowed
+            assert claim.held_by == held  # a refusal changes nothing
+            continue
+        assert allowed
+        assert fresh == (run is not None and (restart or run != holder))
+        claim.took(run, float(now))
+        if run is not None:
+            holder, released = run, False
+        assert claim.held_by == (None if released else holder)
