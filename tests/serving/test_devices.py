@@ -55,6 +55,7 @@ def test_each_launched_engine_gets_its_own_device() -> None:
     assert _gpu(None, "cpu") is None and _gpu(None, "cuda") is None
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_a_fleet_launched_on_devices_serves_there_and_a_missing_one_is_one_line() -> None:
     with EngineFleet.launch(1, demo="tiny", devices=["cpu"]) as fleet:

@@ -131,6 +131,7 @@ def test_a_push_without_a_run_goes_only_to_a_server_nobody_holds(
         holder._pushed = False  # released above
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_a_fleet_of_a_new_run_publishes_from_0_on_servers_another_fleet_left_at_5(
     model: torch.nn.Module,

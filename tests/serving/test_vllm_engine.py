@@ -161,6 +161,35 @@ def test_bad_pushes_are_refused_and_the_old_weights_keep_serving(
     assert engine.version == version
 
 
+def test_one_server_serves_run_after_run_and_a_held_one_only_by_takeover(
+    server: VLLMProcess, weights_dir: Path
+) -> None:
+    url = server.url  # type: ignore[attr-defined]
+    first = VLLMEngine(url, weights_dir=weights_dir, run="first")
+    try:
+        first.load(lively(71), first.version + 5)
+        with VLLMEngine(url, weights_dir=weights_dir, run="second") as second:
+            assert second.held_by == "first"
+            with pytest.raises(ValueError, match="held by run 'first'"):
+                second.load(lively(72), 0)
+            first.close()  # releases the server
+            model = lively(72)
+            second.load(model, 0)  # its own sequence: 0, below the first run's versions
+            assert second.version == 0 and _label(url) == "0"
+            call = second.generate(PROMPT, SamplingParams(max_tokens=8, temperature=T))
+            assert call.version == 0
+            _close(call.log_probs, log_probs(model, PROMPT, call.completion, T))
+            with VLLMEngine(url, weights_dir=weights_dir, run="third", takeover=True) as third:
+                # Held by a live run: passes as a takeover only (which pauses with
+                # mode=abort, ending that run's requests in flight).
+                third.load(lively(73), 100)
+                assert third.version == 100 and _label(url) == "100"
+                with pytest.raises(ValueError, match="held by run 'third'"):
+                    second.load(model, 1)  # and its next push refused
+    finally:
+        first.close()
+
+
 def test_a_broadcast_push_serves_exactly_the_sent_weights(engine: VLLMEngine) -> None:
     _push_own(engine, 61)
     group = engine.open_broadcast()  # gloo here; the same code carries NCCL on GPUs
@@ -183,7 +212,8 @@ def test_a_broadcast_push_serves_exactly_the_sent_weights(engine: VLLMEngine) ->
             assert engine.health() and engine.version == version
         # Should the check be passed over (two trainers racing), the server's own guard
         # refuses after receiving the whole broadcast: the sender is not stranded, the
-        # served weights stay, and the group serves the next push.
+        # served weights stay, and the group serves the next push. (A broadcast that was
+        # not checked names no run, and the server is held by this engine's.)
         model, version = lively(65), engine.version
         check = engine._rpc
 
@@ -192,7 +222,7 @@ def test_a_broadcast_push_serves_exactly_the_sent_weights(engine: VLLMEngine) ->
 
         engine._rpc = no_check  # type: ignore[method-assign]
         try:
-            with pytest.raises(ValueError, match="not newer"):
+            with pytest.raises(ValueError, match="held by run"):
                 engine.load_broadcast(group, model, version)
         finally:
             engine._rpc = check  # type: ignore[method-assign]

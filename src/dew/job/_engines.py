@@ -42,8 +42,8 @@ class EngineSection(Section):
     # kind = "fleet" only: an sglang-router in front of the engines, with this policy
     # ("cache_aware", "round_robin", ...; the router extra), started and owned by the run.
     router: str | None = None
-    # kind = "urls": push to servers another run holds (one killed before it released
-    # them); that run's next push is then refused.
+    # Servers at urls (dew serve or vLLM): push to ones another run holds (one killed
+    # before it released them); that run's next push is then refused.
     takeover: bool = False
     # Where the engines run: one torch device per launched engine (kind = "fleet" or
     # "vllm": ["cuda:1", "cuda:2"]), or the in-process engine's (["cuda:1"]); none:
@@ -76,8 +76,8 @@ class EngineSection(Section):
                 'batch_groups is for dew serve engines, not behind a router: kind = "fleet" '
                 'or "urls"'
             )
-        if self.takeover and self.kind != "urls":
-            raise ValueError('takeover is for servers at urls: kind = "urls"')
+        if self.takeover and not self.urls:
+            raise ValueError("takeover is for servers at urls")
         if self.router is not None and self.kind != "fleet":
             raise ValueError('router puts a launched fleet behind sglang-router: kind = "fleet"')
         if self.weights_dir and self.kind == "in-process":
@@ -147,7 +147,7 @@ def make_engine(config: JobConfig, model: Any, max_batch: int, stack: ExitStack,
         if "API key" in why:
             why += f" (the key comes from engine.api_key_file, else ${API_KEY_ENV})"
         raise ConfigError(f"engine.urls: {why}") from None
-    if config.engine.kind == "urls" and not config.engine.takeover:
+    if config.engine.urls and not config.engine.takeover:
         for member in engine.members():
             if member.held_by not in (None, _run_id(run)):
                 raise ConfigError(
@@ -195,7 +195,7 @@ def _make_engine(
             engine_options={"batch_groups": config.engine.batch_groups},
         )
     elif kind == "vllm":
-        engine = _vllm_fleet(config)
+        engine = _vllm_fleet(config, run_id)
     else:
         from dew.serving.fleet import EngineFleet
 
@@ -213,7 +213,7 @@ def _make_engine(
     return engine
 
 
-def _vllm_fleet(config: JobConfig) -> Any:
+def _vllm_fleet(config: JobConfig, run_id: str) -> Any:
     """vLLM servers at ``urls``, or ``engines`` launched from the vLLM environment."""
     from dew.serving.fleet import EngineFleet
 
@@ -224,7 +224,7 @@ def _vllm_fleet(config: JobConfig) -> Any:
             list(e.urls),
             api_key=e.api_key(),
             engine="vllm",
-            engine_options=options,
+            engine_options={**options, "run": run_id, "takeover": e.takeover},
             weights_dir=e.weights_dir,
         )
     return EngineFleet.launch(

@@ -54,6 +54,7 @@ import asyncio
 import json
 import socket
 import threading
+import uuid
 from collections.abc import Awaitable, Callable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -98,7 +99,11 @@ class VLLMEngine(LoopEngine):
     arguments are :class:`~dew.serving.HTTPEngine`'s: ``api_key`` (the server's
     ``--api-key``), ``weights_dir`` (where :meth:`load` writes weights files; the server
     must be able to read it), ``timeout``, ``connect_timeout``, ``max_connections``,
-    ``startup_timeout`` (how long the constructor waits for ``/health``) and ``poll``.
+    ``startup_timeout`` (how long the constructor waits for ``/health``), ``poll``,
+    ``run`` and ``takeover`` (the trainer run its pushes hold the server for, and
+    whether they may take it from another run; :meth:`close` releases it). A push that
+    starts the run's version sequence drops the prefix cache; one that takes the server
+    from a live run aborts the requests in flight (``/pause?mode=abort``).
     """
 
     _generate_path = "/inference/v1/generate"
@@ -116,10 +121,19 @@ class VLLMEngine(LoopEngine):
         max_connections: int = 256,
         startup_timeout: float = 10.0,
         poll: float = 0.005,
+        run: str | None = None,
+        takeover: bool = False,
     ) -> None:
         if on_load not in ON_LOAD:
             raise ValueError(f"on_load={on_load!r} is not one of {list(ON_LOAD)}")
+        if run is not None and (not isinstance(run, str) or not run):
+            raise ValueError(f"run must be a non-empty string, got {run!r}")
+        if not isinstance(takeover, bool):
+            raise ValueError(f"takeover must be a bool, got {takeover!r}")
         self._on_load = on_load
+        self.run = run if run is not None else uuid.uuid4().hex
+        self._takeover = takeover
+        self._pushed = False  # the first push starts this run's version sequence
         self._push_lock = threading.Lock()  # one push at a time: pause ... resume
         super().__init__(
             url,
@@ -167,6 +181,7 @@ class VLLMEngine(LoopEngine):
         self._eos = tuple(as_int(t, "eos_token_ids") for t in info["eos_token_ids"])
         self._workers = as_int(info["workers"], "workers")
         self._transfer = info.get("transfer")
+        self._held_by = info.get("run")
         self._set_version(as_int(info["version"], "version"), exact=True)
 
     def _generation(self, request: Request, params: SamplingParams, rid: str) -> dict[str, Any]:
@@ -259,19 +274,43 @@ class VLLMEngine(LoopEngine):
         version = as_int(version, "version")
 
         async def load() -> dict[str, Any]:
-            return await self._rpc("dew_load", str(Path(path).resolve()), str(version))
+            return await self._rpc(
+                "dew_load", str(Path(path).resolve()), str(version), *self._who()
+            )
 
         with self._push_lock:
             self._block(self._push(load))
+            self._took()
         self._set_version(version, exact=True)
+
+    def _who(self) -> tuple[str, str, str]:
+        """A push's run arguments of the extension: run, restart, takeover ("" = no)."""
+        return self.run, "" if self._pushed else "1", "1" if self._takeover else ""
+
+    def _took(self) -> None:
+        self._pushed = True
+        self._held_by = self.run
+
+    def close(self) -> None:
+        """Release the server if this engine pushed to it, then close."""
+        if self._pushed and not self._closed and threading.current_thread() is not self._thread:
+            self._pushed = False
+            try:
+                self._block(self._rpc("dew_release", self.run))
+            except (EngineError, ValueError, RuntimeError):
+                pass  # a server gone or closing: nothing is held there any more
+        super().close()
 
     async def _push(self, load: Callable[[], Awaitable[dict[str, Any]]]) -> None:
         """Pause, ``load`` the weights (its answer: ``{"version": v}``, maybe with
         ``"unchanged"``, or ``{"refused": why}``), label them, reset or keep the requests
         in flight (``on_load``), resume."""
         # clear_cache=false: vLLM would otherwise recompute the running requests even
-        # under mode=keep; whether they are recomputed is on_load's to say (below).
-        await self._request("POST", "/pause?mode=keep&clear_cache=false", None)
+        # under mode=keep; whether they are recomputed is on_load's to say (below). A
+        # takeover of a live run's server aborts that run's requests instead.
+        live = self._held_by not in (None, self.run) and self._takeover and not self._pushed
+        mode = "abort" if live else "keep"
+        await self._request("POST", f"/pause?mode={mode}&clear_cache=false", None)
         try:
             answer = await load()
             if "refused" in answer:
@@ -279,7 +318,9 @@ class VLLMEngine(LoopEngine):
             if not answer.get("unchanged"):
                 label = {"new_version": str(answer["version"])}
                 await self._request("POST", "/update_weight_version", label)
-                if self._on_load == "recompute":
+                # A new sequence (this engine's first push) may repeat versions that
+                # salted cached prefixes.
+                if self._on_load == "recompute" or not self._pushed:
                     path_ = "/reset_prefix_cache?reset_running_requests=true"
                     if not (await self._request("POST", path_, None)).get("success"):
                         raise EngineError(f"{self._url}: the prefix cache was not reset")
@@ -365,9 +406,8 @@ class VLLMEngine(LoopEngine):
             return await self._rpc("dew_transfer_outcome", str(version))
 
         with self._push_lock:
-            check = self._block(
-                self._rpc("dew_check_broadcast", str(version), json.dumps([names, dtypes, shapes]))
-            )
+            specs = json.dumps([names, dtypes, shapes])
+            check = self._block(self._rpc("dew_check_broadcast", str(version), specs, *self._who()))
             if "refused" in check:
                 raise ValueError(f"{self._url}: broadcast refused: {check['refused']}")
             pushed = asyncio.run_coroutine_threadsafe(self._push(load), self._loop)
@@ -378,6 +418,7 @@ class VLLMEngine(LoopEngine):
                     group.broadcast(variables)
             finally:
                 pushed.result(timeout=self._timeout)
+            self._took()
         self._set_version(version, exact=True)
 
     async def _rpc(self, method: str, *args: str) -> dict[str, Any]:

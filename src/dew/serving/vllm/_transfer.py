@@ -25,6 +25,7 @@ loading and the served version are those of the extension's
 from __future__ import annotations
 
 import functools
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -36,6 +37,7 @@ from vllm.distributed.weight_transfer.base import (
 )
 from vllm.model_executor.model_loader.reload.inplace import reload_weights
 
+from dew.serving._claim import ClaimRefused
 from dew.serving.vllm.extension import served_weights
 from dew.serving.weights import JoinedGroup, checksum, join_group, receive_tensors
 
@@ -116,7 +118,19 @@ class DewTransferEngine(WeightTransferEngine[DewTransferInitInfo, DewTransferUpd
             self._group = None  # a broken group cannot be trusted again
             served.refused = f"the broadcast failed: {exc}"
             return
-        why = served.broadcast_misfit(info.version, {n: tuple(t.shape) for n, t in tensors.items()})
+        expected, served.expected = served.expected, None  # what dew_check_broadcast passed
+        if expected is not None and expected[0] == info.version:
+            _, run, fresh = expected
+        else:  # not checked first: a push that names no run, which a held server refuses
+            run, fresh = None, False
+            try:
+                served.claim.check(None, restart=False, takeover=False, now=time.monotonic())
+            except ClaimRefused as exc:
+                served.refused = str(exc)
+                return
+        why = served.broadcast_misfit(
+            info.version, {n: tuple(t.shape) for n, t in tensors.items()}, fresh=fresh
+        )
         fitted, why = ({}, why) if why else served.fit(tensors)
         if why:
             served.refused = why
@@ -126,6 +140,7 @@ class DewTransferEngine(WeightTransferEngine[DewTransferInitInfo, DewTransferUpd
             is_checkpoint_format=True,
         )  # fmt: skip
         served.serve(reload, fitted, info.version, checksum(tensors))
+        served.claim.took(run, time.monotonic())
 
     def shutdown(self) -> None:
         self._group = None

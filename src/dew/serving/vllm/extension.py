@@ -29,6 +29,12 @@ transfer backend share it, holds the version and checksum served. An older versi
 refused; the same version is a no-op when the checksum matches and refused otherwise,
 except over the weights the server started with (version 0, no checksum), which a push
 of version 0 replaces: a trainer's first push is its version 0.
+
+Runs: a push names its trainer run, which then holds the server, as on ``dew serve``
+(:mod:`dew.serving._claim`'s rule): another run's push is refused while the holder has
+not released it (``dew_release``) unless it takes the server over, and a run's first
+push starts its own version sequence (whatever its version; the engine then drops the
+prefix cache, whose keys the old sequence's versions salted).
 Files are read only from ``DEW_VLLM_WEIGHTS_DIR`` (a launched server has it set to the
 fleet's folder), else from :func:`dew.serving.weights.weights_root`, where engines on
 the machine write by default; only regular files no larger than the model could make.
@@ -39,8 +45,11 @@ from __future__ import annotations
 import json
 import math
 import os
+import time
 from pathlib import Path
 from typing import Any
+
+from dew.serving._claim import Claim, ClaimRefused
 
 __all__ = ["WorkerExtension"]
 
@@ -68,19 +77,28 @@ class WorkerExtension:
             "eos_token_ids": _eos_ids(config),
             "max_len": int(config.max_model_len),
             "version": self._dew_served().version,
+            "run": self._dew_served().claim.held_by,
             "workers": int(self.vllm_config.parallel_config.world_size),
             "transfer": getattr(transfer, "backend", None),
         }
 
-    def dew_load(self, path: str, version: str) -> dict[str, Any]:
+    def dew_load(
+        self, path: str, version: str, run: str = "", restart: str = "", takeover: str = ""
+    ) -> dict[str, Any]:
         """Serve the weights file ``path`` (written by
-        :func:`dew.serving.weights.write_weights`) as ``version``; see the module
-        docstring. Returns ``{"version": v}`` or ``{"refused": why}``."""
+        :func:`dew.serving.weights.write_weights`) as ``version`` for ``run``; see the
+        module docstring. Returns ``{"version": v}`` or ``{"refused": why}``."""
         from dew.serving.weights import WeightsError, open_weights, weights_root
 
         served = self._dew_served()
         want = int(version)
-        if want < served.version:
+        try:
+            fresh = served.claim.check(
+                run or None, restart=bool(restart), takeover=bool(takeover), now=time.monotonic()
+            )
+        except ClaimRefused as exc:
+            return {"refused": str(exc)}
+        if not fresh and want < served.version:
             return {"refused": f"version {want} is older than the served {served.version}"}
         try:
             root = os.environ.get(WEIGHTS_DIR_ENV) or weights_root()
@@ -89,7 +107,7 @@ class WorkerExtension:
             return {"refused": str(exc)}
         if weights.version != want:
             return {"refused": f"{path} holds version {weights.version}, not {want}"}
-        if want == served.version and served.checksum is not None:
+        if not fresh and want == served.version and served.checksum is not None:
             if weights.checksum == served.checksum:
                 return {"version": want, "unchanged": True}
             return {"refused": f"version {want} is served already, with other weights"}
@@ -97,16 +115,31 @@ class WorkerExtension:
         if why:
             return {"refused": why}
         served.serve(self.model_runner.reload_weights, tensors, want, weights.checksum)
+        served.claim.took(run or None, time.monotonic())
         return {"version": want}
 
-    def dew_check_broadcast(self, version: str, specs: str) -> dict[str, Any]:
+    def dew_release(self, run: str) -> dict[str, Any]:
+        """``run`` lets the server go (its weights keep serving)."""
+        return {"released": self._dew_served().claim.release(run)}
+
+    def dew_check_broadcast(
+        self, version: str, specs: str, run: str = "", restart: str = "", takeover: str = ""
+    ) -> dict[str, Any]:
         """Whether a broadcast of ``specs`` (JSON names, dtypes, shapes) as ``version``
-        would be served by dew's transfer backend: asked before anything is sent, as a
-        receiver that refused halfway would strand the sender. ``{}`` or
-        ``{"refused": why}``."""
+        by ``run`` would be served by dew's transfer backend: asked before anything is
+        sent, as a receiver that refused halfway would strand the sender. ``{}`` or
+        ``{"refused": why}``; what passed is what the backend then expects."""
+        served = self._dew_served()
+        try:
+            fresh = served.claim.check(
+                run or None, restart=bool(restart), takeover=bool(takeover), now=time.monotonic()
+            )
+        except ClaimRefused as exc:
+            return {"refused": str(exc)}
         names, _, shapes = json.loads(specs)
         given = {n: tuple(int(d) for d in shape) for n, shape in zip(names, shapes, strict=True)}
-        why = self._dew_served().broadcast_misfit(int(version), given)
+        why = served.broadcast_misfit(int(version), given, fresh=fresh)
+        served.expected = None if why else (int(version), run or None, fresh)
         return {"refused": why} if why else {}
 
     def dew_transfer_outcome(self, version: str) -> dict[str, Any]:
@@ -133,12 +166,18 @@ class ServedWeights:
         self.version = 0
         self.checksum: str | None = None
         self.refused = ""  # why the transfer backend's last push was not served
+        self.claim = Claim()  # which trainer run holds the weights
+        # The broadcast dew_check_broadcast passed: (version, run, new sequence).
+        self.expected: tuple[int, str | None, bool] | None = None
         self._spec: dict[str, tuple[int, ...]] | None = None
 
-    def broadcast_misfit(self, version: int, shapes: dict[str, tuple[int, ...]]) -> str:
+    def broadcast_misfit(
+        self, version: int, shapes: dict[str, tuple[int, ...]], *, fresh: bool = False
+    ) -> str:
         """Why a broadcast of these shapes as ``version`` would be refused ("" if not):
-        it must be newer (a broadcast's checksum is known only once it came) and fit."""
-        if version <= self.version:
+        it must be newer (a broadcast's checksum is known only once it came; a new
+        sequence, ``fresh``, may start anywhere) and fit."""
+        if not fresh and version <= self.version:
             return f"version {version} is not newer than the served {self.version}"
         return self.misfit(shapes)
 
