@@ -261,7 +261,10 @@ def test_the_engine_options_reach_the_engines_of_servers_at_urls(tmp_path: Path)
         plain = load_config(write(tmp_path), argv)
         config = load_config(write(tmp_path), [*argv, "--engine.batch_groups", "true"])
         for conf, batched in ((plain, False), (config, True)):
-            fleet = make_engine(conf, None, 8, stack, tmp_path / "run")
+            fleet = make_engine(
+                conf.engine, model=None, model_path="m", seed=0, max_batch=8, stack=stack,
+                run=tmp_path / "run",
+            )  # fmt: skip
             (member,) = fleet._members
             assert member.engine._batch_groups is batched
             assert member.engine.run.endswith(str((tmp_path / "run").resolve()))

@@ -8,16 +8,13 @@ import os
 import socket
 from contextlib import ExitStack
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal
 
 from pydantic import field_validator, model_validator
 
 from dew._devices import DEVICE_PATTERN, device_problem
 from dew._net import API_KEY_ENV
 from dew.job._base import ConfigError, Section
-
-if TYPE_CHECKING:
-    from dew.job.config import JobConfig
 
 __all__ = ["EngineSection", "check_devices", "make_engine"]
 
@@ -122,32 +119,41 @@ class EngineSection(Section):
         return key
 
 
-def check_devices(config: JobConfig) -> None:
-    """ConfigError for a device of the config that this machine does not have (the
-    trainer's, and the engines' where they are launched here)."""
-    named = [("training.device", config.training.device)]
-    named += [("engine.devices", d) for d in config.engine.devices]
+def check_devices(trainer: str | None, engine: EngineSection) -> None:
+    """ConfigError for a device this machine does not have: the trainer's
+    (``training.device``), or an engine's where they are launched here."""
+    named = [("training.device", trainer)]
+    named += [("engine.devices", d) for d in engine.devices]
     for field, device in named:
         problem = None if device is None else device_problem(device)
         if problem is not None:
             raise ConfigError(f"{field}: {device}: {problem}")
 
 
-def make_engine(config: JobConfig, model: Any, max_batch: int, stack: ExitStack, run: Path) -> Any:
+def make_engine(
+    e: EngineSection,
+    *,
+    model: Any,
+    model_path: str,
+    seed: int,
+    max_batch: int,
+    stack: ExitStack,
+    run: Path,
+) -> Any:
     """The run's engine (closed by ``stack``); servers at ``urls`` that cannot be driven,
     or that another live run holds, are a ConfigError."""
     from dew.core import EngineError
 
     try:
-        engine = _make_engine(config, model, max_batch, stack, _run_id(run))
+        engine = _make_engine(e, model, model_path, seed, max_batch, stack, _run_id(run))
     except (EngineError, ValueError) as exc:
-        if not config.engine.urls:
+        if not e.urls:
             raise
         why = _first_line(exc)
         if "API key" in why:
             why += f" (the key comes from engine.api_key_file, else ${API_KEY_ENV})"
         raise ConfigError(f"engine.urls: {why}") from None
-    if config.engine.urls and not config.engine.takeover:
+    if e.urls and not e.takeover:
         for member in engine.members():
             if member.held_by not in (None, _run_id(run)):
                 raise ConfigError(
@@ -169,55 +175,60 @@ def _first_line(exc: BaseException) -> str:
 
 
 def _make_engine(
-    config: JobConfig, model: Any, max_batch: int, stack: ExitStack, run_id: str
+    e: EngineSection,
+    model: Any,
+    model_path: str,
+    seed: int,
+    max_batch: int,
+    stack: ExitStack,
+    run_id: str,
 ) -> Any:
-    kind = config.engine.kind
+    kind = e.kind
     if kind == "in-process":
         from dew.serving import RolloutServer
 
         engine: Any = RolloutServer(
             model,
             max_batch=max_batch,
-            seed=config.training.seed,
-            device=config.engine.devices[0] if config.engine.devices else None,
+            seed=seed,
+            device=e.devices[0] if e.devices else None,
         )
     elif kind == "fleet":
         from dew.serving.fleet import EngineFleet
 
         engine = EngineFleet.launch(
-            config.engine.engines,
-            model=config.model.path,
-            seed=config.training.seed,
+            e.engines,
+            model=model_path,
+            seed=seed,
             args=["--max-batch", str(max_batch)],
-            weights_dir=config.engine.weights_dir,
-            router=config.engine.router,
-            devices=config.engine.devices or None,
-            engine_options={"batch_groups": config.engine.batch_groups},
+            weights_dir=e.weights_dir,
+            router=e.router,
+            devices=e.devices or None,
+            engine_options={"batch_groups": e.batch_groups},
         )
     elif kind == "vllm":
-        engine = _vllm_fleet(config, run_id)
+        engine = _vllm_fleet(e, model_path, seed, run_id)
     else:
         from dew.serving.fleet import EngineFleet
 
         engine = EngineFleet(
-            list(config.engine.urls),
-            api_key=config.engine.api_key(),
-            weights_dir=config.engine.weights_dir,
+            list(e.urls),
+            api_key=e.api_key(),
+            weights_dir=e.weights_dir,
             engine_options={
                 "run": run_id,
-                "takeover": config.engine.takeover,
-                "batch_groups": config.engine.batch_groups,
+                "takeover": e.takeover,
+                "batch_groups": e.batch_groups,
             },
         )
     stack.callback(engine.close)
     return engine
 
 
-def _vllm_fleet(config: JobConfig, run_id: str) -> Any:
+def _vllm_fleet(e: EngineSection, model_path: str, seed: int, run_id: str) -> Any:
     """vLLM servers at ``urls``, or ``engines`` launched from the vLLM environment."""
     from dew.serving.fleet import EngineFleet
 
-    e = config.engine
     options = {} if e.on_load is None else {"on_load": e.on_load}
     if e.urls:
         return EngineFleet(
@@ -229,11 +240,11 @@ def _vllm_fleet(config: JobConfig, run_id: str) -> Any:
         )
     return EngineFleet.launch(
         e.engines,
-        model=config.model.path,
+        model=model_path,
         engine="vllm",
         python=e.python,
         args=e.args,
-        seed=config.training.seed,
+        seed=seed,
         engine_options=options,
         weights_dir=e.weights_dir,
         devices=e.devices or None,

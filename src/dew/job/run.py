@@ -58,7 +58,7 @@ def prepare(config: JobConfig, *, resume: bool = False) -> Prepared:
     """Load and check what the run needs; ConfigError naming the first problem (the
     run folder's first: it costs nothing to check, the reward probe does)."""
     _check_run_folder(Path(config.output.run_dir), resume)
-    check_devices(config)
+    check_devices(config.training.device, config.engine)
     import datasets
     import torch
     import transformers
@@ -319,7 +319,15 @@ def _train(
     )
     if pool is not None:
         dataset = pool.dataset(dataset)
-    engine = make_engine(config, model, batch_rows * (knobs.ahead + 1), stack, run)  # copied
+    engine = make_engine(  # it copies the model
+        config.engine,
+        model=model,
+        model_path=config.model.path,
+        seed=config.training.seed,
+        max_batch=batch_rows * (knobs.ahead + 1),
+        stack=stack,
+        run=run,
+    )
     publisher: Any = engine
     if pool is not None:  # after the engine copied the whole model
         from dew.pool import shard_model
