@@ -144,8 +144,9 @@ def make_engine(
     or that another live run holds, are a ConfigError."""
     from dew.core import EngineError
 
+    run_id = _run_id(run)
     try:
-        engine = _make_engine(e, model, model_path, seed, max_batch, stack, _run_id(run))
+        engine = _make_engine(e, model, model_path, seed, max_batch, stack, run_id)
     except (EngineError, ValueError) as exc:
         if not e.urls:
             raise
@@ -155,7 +156,7 @@ def make_engine(
         raise ConfigError(f"engine.urls: {why}") from None
     if e.urls and not e.takeover:
         for member in engine.members():
-            if member.held_by not in (None, _run_id(run)):
+            if member.held_by not in (None, run_id):
                 raise ConfigError(
                     f"engine.urls: {member.url} is held by run {member.held_by!r}, which "
                     "has not released it: stop that trainer, or set engine.takeover = true "

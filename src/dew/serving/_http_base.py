@@ -136,9 +136,20 @@ class LoopEngine(Engine):
         startup_timeout: float,
         poll: float,
         abort_urls: Sequence[str] = (),
+        run: str | None = None,
+        takeover: bool = False,
     ) -> None:
         if not isinstance(url, str) or not url.startswith(("http://", "https://")):
             raise ValueError(f"url must be an http(s) URL, got {url!r}")
+        if run is not None and (not isinstance(run, str) or not run):
+            raise ValueError(f"run must be a non-empty string, got {run!r}")
+        if not isinstance(takeover, bool):
+            raise ValueError(f"takeover must be a bool, got {takeover!r}")
+        # The trainer run this engine pushes for (see dew.serving._claim): one of its
+        # own unless given; its first push starts the run's version sequence.
+        self.run = run if run is not None else uuid.uuid4().hex
+        self._takeover = takeover
+        self._pushed = False
         if isinstance(abort_urls, str) or not all(
             isinstance(u, str) and u.startswith(("http://", "https://")) for u in abort_urls
         ):
@@ -307,9 +318,24 @@ class LoopEngine(Engine):
 
     # ------------------------------------------------------------------ lifetime
 
+    def _took(self) -> None:
+        """A push of this engine's went through: its run holds the server."""
+        self._pushed = True
+        self._held_by = self.run
+
+    async def _release(self) -> None:
+        """Tell the server this engine's run lets it go (the dialect's request)."""
+        raise NotImplementedError
+
     def close(self) -> None:
-        """Fail every request still in flight with ``RuntimeError`` (and ask the server
-        to drop them), close the connection pools and join the loop thread."""
+        """Release the server if this engine pushed to it (another run may then push
+        without taking it over), fail every request still in flight with
+        ``RuntimeError`` (and ask the server to drop them), close the connection pools
+        and join the loop thread."""
+        if self._pushed and not self._closed and threading.current_thread() is not self._thread:
+            self._pushed = False
+            with contextlib.suppress(EngineError, ValueError, RuntimeError):
+                self._block(self._release())  # a server gone or closing holds nothing
         with self._lock:
             if self._closed:
                 return

@@ -39,8 +39,6 @@ server (:mod:`dew.serving._http_base`). What is this server's:
 from __future__ import annotations
 
 import asyncio
-import threading
-import uuid
 from collections.abc import Hashable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -96,18 +94,12 @@ class HTTPEngine(LoopEngine):
         takeover: bool = False,
         batch_groups: bool = False,
     ) -> None:
-        if run is not None and (not isinstance(run, str) or not run):
-            raise ValueError(f"run must be a non-empty string, got {run!r}")
-        for name, flag in (("takeover", takeover), ("batch_groups", batch_groups)):
-            if not isinstance(flag, bool):
-                raise ValueError(f"{name} must be a bool, got {flag!r}")
+        if not isinstance(batch_groups, bool):
+            raise ValueError(f"batch_groups must be a bool, got {batch_groups!r}")
         self._batch_groups = batch_groups
         # Requests waiting for the rest of their group (loop thread only), sent as one.
         self._gathering: dict[Hashable, list[Pending]] = {}
         self._flushing: asyncio.TimerHandle | None = None
-        self.run = run if run is not None else uuid.uuid4().hex
-        self._takeover = takeover
-        self._pushed = False  # the first push starts this run's version sequence
         super().__init__(
             url,
             api_key=api_key,
@@ -118,6 +110,8 @@ class HTTPEngine(LoopEngine):
             startup_timeout=startup_timeout,
             poll=poll,
             abort_urls=abort_urls,
+            run=run,
+            takeover=takeover,
         )
 
     def _describe(self, within: float) -> None:
@@ -168,22 +162,11 @@ class HTTPEngine(LoopEngine):
         data = self._block(self._request("POST", "/update_weights_from_disk", body))
         if data.get("success") is False:
             raise ValueError(f"{self._url}: weights refused: {data.get('message')}")
-        self._pushed = True
-        self._held_by = self.run
+        self._took()
         self._set_version(data.get("dew_version", version), exact=True)
 
-    def close(self) -> None:
-        """Release the server if this engine pushed to it (another run may then push
-        without taking it over), then close as every engine over a server does."""
-        if self._pushed and not self._closed and threading.current_thread() is not self._thread:
-            self._pushed = False
-            try:
-                self._block(
-                    self._request("POST", "/dew/release", {"dew_run": self.run}, short=True)
-                )
-            except (EngineError, ValueError, RuntimeError):
-                pass  # a server gone or closing: nothing is held there any more
-        super().close()
+    async def _release(self) -> None:
+        await self._request("POST", "/dew/release", {"dew_run": self.run}, short=True)
 
     def _start(self, p: Pending) -> None:
         if not self._batch_groups or p.affinity is None:

@@ -54,7 +54,6 @@ import asyncio
 import json
 import socket
 import threading
-import uuid
 from collections.abc import Awaitable, Callable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -126,14 +125,7 @@ class VLLMEngine(LoopEngine):
     ) -> None:
         if on_load not in ON_LOAD:
             raise ValueError(f"on_load={on_load!r} is not one of {list(ON_LOAD)}")
-        if run is not None and (not isinstance(run, str) or not run):
-            raise ValueError(f"run must be a non-empty string, got {run!r}")
-        if not isinstance(takeover, bool):
-            raise ValueError(f"takeover must be a bool, got {takeover!r}")
         self._on_load = on_load
-        self.run = run if run is not None else uuid.uuid4().hex
-        self._takeover = takeover
-        self._pushed = False  # the first push starts this run's version sequence
         self._push_lock = threading.Lock()  # one push at a time: pause ... resume
         super().__init__(
             url,
@@ -144,6 +136,8 @@ class VLLMEngine(LoopEngine):
             max_connections=max_connections,
             startup_timeout=startup_timeout,
             poll=poll,
+            run=run,
+            takeover=takeover,
         )
 
     @property
@@ -287,19 +281,8 @@ class VLLMEngine(LoopEngine):
         """A push's run arguments of the extension: run, restart, takeover ("" = no)."""
         return self.run, "" if self._pushed else "1", "1" if self._takeover else ""
 
-    def _took(self) -> None:
-        self._pushed = True
-        self._held_by = self.run
-
-    def close(self) -> None:
-        """Release the server if this engine pushed to it, then close."""
-        if self._pushed and not self._closed and threading.current_thread() is not self._thread:
-            self._pushed = False
-            try:
-                self._block(self._rpc("dew_release", self.run))
-            except (EngineError, ValueError, RuntimeError):
-                pass  # a server gone or closing: nothing is held there any more
-        super().close()
+    async def _release(self) -> None:
+        await self._rpc("dew_release", self.run)
 
     async def _push(self, load: Callable[[], Awaitable[dict[str, Any]]]) -> None:
         """Pause, ``load`` the weights (its answer: ``{"version": v}``, maybe with

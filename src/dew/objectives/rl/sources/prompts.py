@@ -199,13 +199,13 @@ class PromptSource(ThreadedSource):
     def start(self, task: Task, key: RolloutKey) -> Session:
         index = task_index(task, key, len(self.prompts))  # a bad id is the caller's bug
         session = self.begin(task, key)
-        self._gather("started", session)
+        self._gather_started(session)
         try:
             pending = self.engine.submit(
                 self.prompt_ids(index), self.sampling, stop=session.stop, affinity=key.group
             )
         except BaseException as exc:  # resolves the session as run() raising would
-            self._gather("dropped", session)
+            self._gather_dropped(session)
             self.settle(session, partial(_reraise, exc))
             return session
         pending.add_done_callback(partial(self._generated, session))
@@ -215,9 +215,9 @@ class PromptSource(ThreadedSource):
         """The engine answered (on its thread): score on the pool, or resolve now."""
         error = pending.exception()
         if error is None and self._gathering is not None:
-            self._gather("generated", session, pending.result())
+            self._gather_generated(session, pending.result())
             return
-        self._gather("dropped", session)
+        self._gather_dropped(session)
         if isinstance(error, Aborted):
             self.settle(session, partial(cancelled_rollout, session.task, session.key))
         elif isinstance(error, EngineError):  # lost to a fault: the sample runs again
@@ -228,29 +228,36 @@ class PromptSource(ThreadedSource):
             call = pending.result()
             self.settle_on_pool(session, partial(self._score, session.task, session.key, call))
 
-    def _gather(self, event: str, session: ThreadedSession, call: Call | None = None) -> None:
-        """Tell the group gathering (a GroupVerifier's) what became of ``session``;
-        score the group on the pool once it is in."""
-        gathering, key = self._gathering, session.key
-        if gathering is None:
-            return
+    # A GroupVerifier's gathering (None otherwise) hears of each session's generation:
+    # started, dropped (no completion) or generated; a group in is scored on the pool.
+
+    def _gather_started(self, session: ThreadedSession) -> None:
+        if self._gathering is not None:
+            key = session.key
+            with self._gathering_lock:
+                self._gathering.started(key.group, key, retry=key.attempt > 0)
+
+    def _gather_dropped(self, session: ThreadedSession) -> None:
+        if self._gathering is not None:
+            with self._gathering_lock:
+                ready = self._gathering.dropped(session.key.group, session.key)
+            self._score_when_in(ready)
+
+    def _gather_generated(self, session: ThreadedSession, call: Call) -> None:
+        assert self._gathering is not None
         with self._gathering_lock:
-            if event == "started":
-                gathering.started(key.group, key, retry=key.attempt > 0)
-                return
-            if event == "dropped":
-                ready = gathering.dropped(key.group, key)
-            else:
-                assert call is not None
-                ready = gathering.generated(key.group, key, (session, call))
-        if event == "generated":
-            session.on_cancel(partial(self._withdraw, session))
-        if ready:
-            try:
-                self._pool.submit(self._score_group, ready)
-            except RuntimeError:  # closed meanwhile: each was cancelled, none scored
-                for waiting, _ in ready:
-                    self.settle(waiting, partial(cancelled_rollout, waiting.task, waiting.key))
+            ready = self._gathering.generated(session.key.group, session.key, (session, call))
+        session.on_cancel(partial(self._withdraw, session))
+        self._score_when_in(ready)
+
+    def _score_when_in(self, ready: list[tuple[ThreadedSession, Call]]) -> None:
+        if not ready:
+            return
+        try:
+            self._pool.submit(self._score_group, ready)
+        except RuntimeError:  # closed meanwhile: each was cancelled, none scored
+            for waiting, _ in ready:
+                self.settle(waiting, partial(cancelled_rollout, waiting.task, waiting.key))
 
     def _withdraw(self, session: ThreadedSession) -> None:
         """A session cancelled while its call waits for its group: resolved now."""
