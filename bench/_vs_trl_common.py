@@ -55,6 +55,8 @@ class RunSpec:
     latency: float = 0.02  # multi only: seconds slept in every environment step
     threshold: float = THRESHOLD  # the reward the time-to-reward clock waits for
     small: bool = False  # a smoke run: 2 tasks x 4 samples of at most 16 tokens per step
+    # dew only: DemoConfig fields set on top of the task's tuned ones (an ablation's knobs)
+    overrides: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.system not in SYSTEMS:
@@ -66,6 +68,8 @@ class RunSpec:
                 raise ValueError(f"{name}={getattr(self, name)!r} must be >= 1")
         if not self.max_seconds > 0:
             raise ValueError(f"max_seconds={self.max_seconds!r} must be > 0")
+        if self.overrides and self.system != "dew":
+            raise ValueError(f"overrides={self.overrides!r}: only dew's runs take them")
         if min(self.ahead, self.latency, self.oversample, self.engines) < 0:
             raise ValueError(
                 f"ahead={self.ahead}, oversample={self.oversample}, engines={self.engines} "
@@ -93,6 +97,10 @@ class RunResult:
     idle: list[float] = field(default_factory=list)
     stopped: str = "steps"  # why the run ended: "reward", "seconds" or "steps"
     peak_rss_mb: float = 0.0  # the worker process's peak resident memory
+    # cores other work took during the run (bench/_stats.OtherLoad; None: not measured)
+    load: float | None = None
+    # dew only: the run's mean of some per-step record figures (see _vs_trl_dew.DIAGNOSTICS)
+    diagnostics: dict[str, float] = field(default_factory=dict)
 
     @property
     def steps(self) -> int:
@@ -140,7 +148,7 @@ class RunResult:
 def demo_config(spec: RunSpec) -> Any:
     """The demo's tuned settings with the spec's seed and policy: the single-turn task's
     (``DemoConfig.for_task("single")``) for the copy tasks, the heavy-tailed tasks' own
-    for those; both systems are configured from it."""
+    for those, then the spec's ``overrides``; both systems are configured from it."""
     from dew.demo.run import DemoConfig
 
     task = spec.task if spec.task in TAIL_TASKS else "single"
@@ -148,15 +156,16 @@ def demo_config(spec: RunSpec) -> Any:
     if spec.small:
         tuned = DemoConfig.for_task(task)
         small = {"batch_size": 2, "group_size": 4, "max_tokens": min(tuned.max_tokens, 16)}
-    return DemoConfig.for_task(
-        task,
-        seed=spec.seed,
-        ahead=spec.ahead,
-        max_lag=max(1, spec.ahead),
-        oversample=spec.oversample,
-        engines=spec.engines,
+    knobs = {
+        "seed": spec.seed,
+        "ahead": spec.ahead,
+        "max_lag": max(1, spec.ahead),
+        "oversample": spec.oversample,
+        "engines": spec.engines,
         **small,
-    )
+        **spec.overrides,  # an ablation's knobs win over the policy's
+    }
+    return DemoConfig.for_task(task, **knobs)
 
 
 def time_to_reward(

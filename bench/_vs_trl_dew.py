@@ -34,6 +34,27 @@ from _vs_trl_common import (
     two_turn_max_chain,
 )
 
+# Per-step record figures whose run means a result keeps (RunResult.diagnostics): how
+# stale the trained rollouts were, what the cut left out, how far behavior and proximal
+# policies were apart. A figure a step's record lacks is left out of that step's mean.
+DIAGNOSTICS = {
+    "lag": ("scheduler", "lag"),
+    "token_lag": ("scheduler", "metrics", "token_lag_mean"),
+    "admitted_len": ("scheduler", "metrics", "bias/admitted_len"),
+    "cut_partial_len": ("scheduler", "metrics", "bias/cancelled_partial_len"),
+    "mismatch_kl": ("metrics", "mismatch_kl"),
+    "importance_capped": ("metrics", "importance_capped_fraction"),
+}
+
+
+def _dig(record: dict[str, Any], path: tuple[str, ...]) -> float | None:
+    value: Any = record
+    for key in path:
+        if not isinstance(value, dict) or key not in value:
+            return None
+        value = value[key]
+    return float(value)
+
 
 class _Enough(Exception):
     """Raised from the step callback to end ``fit`` early."""
@@ -71,8 +92,14 @@ def run_dew(spec: RunSpec) -> RunResult:
     rows = config.batch_size * config.group_size
     result = RunResult(spec=spec, rows=rows)
     clock = StepClock(spec, result)
+    sums: dict[str, list[float]] = {name: [] for name in DIAGNOSTICS}
 
     def on_record(record: dict[str, Any]) -> None:
+        for name, path in DIAGNOSTICS.items():
+            value = _dig(record, path)
+            if value is not None:
+                sums[name].append(value)
+                result.diagnostics[name] = sum(sums[name]) / len(sums[name])
         sched = record["scheduler"]
         trained = int(sched["groups"]) * config.group_size
         if trained != rows:  # the figures assume full batches; a cut one would skew them

@@ -48,6 +48,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/_results.py, _vs_trl_*.py
 import _results
 from _results import provenance, provenance_lines, write_section, write_summary_row
+from _stats import OtherLoad
 from _vs_trl_common import THRESHOLD, WINDOW, RunResult, RunSpec
 
 BENCH = Path(__file__).resolve().parent
@@ -72,21 +73,24 @@ def run_worker(spec: RunSpec, timeout: float) -> RunResult:
     )
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "result.json"
-        proc = subprocess.run(
-            [sys.executable, str(BENCH / "_vs_trl_worker.py"), spec.to_json(), str(out)],
-            capture_output=True,
-            text=True,
-            timeout=timeout,
-            env=env,
-            cwd=tmp,  # anything a library writes to the working directory goes away
-            check=False,
-        )
+        with OtherLoad() as load:
+            proc = subprocess.run(
+                [sys.executable, str(BENCH / "_vs_trl_worker.py"), spec.to_json(), str(out)],
+                capture_output=True,
+                text=True,
+                timeout=timeout,
+                env=env,
+                cwd=tmp,  # anything a library writes to the working directory goes away
+                check=False,
+            )
         if proc.returncode != 0 or not out.exists():
             raise RuntimeError(
                 f"{spec.system} {spec.task} seed {spec.seed} failed "
                 f"(exit {proc.returncode}):\n{proc.stderr[-4000:]}"
             )
-        return RunResult.from_json(out.read_text())
+        result = RunResult.from_json(out.read_text())
+    result.load = load.cores
+    return result
 
 
 # The file in a --save folder that says how its results were made.

@@ -60,6 +60,9 @@ EFFECT_TESTS: dict[Callable[..., Any], dict[str, str]] = {
         "clip": KNOBS,
         "clip_high": KNOBS,
         "importance_cap": KNOBS,
+        "importance": (
+            f"{GRPO}::test_importance_mask_drops_the_tokens_outside_the_band_from_the_objectives_loss"
+        ),
         "temperature": KNOBS,
         "kl_coef": KL,
         "reference": KL,

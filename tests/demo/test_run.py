@@ -165,3 +165,18 @@ def test_the_heavy_tailed_tasks_build_a_model_their_chains_fit() -> None:
             # wider than the engine's at construction)
             assert job.server.max_len == config.positions
             assert "lognormal" in job.describe
+            # stale rollouts keep most of their correction (the task's cap, not 2)
+            assert job.objective.importance_cap == config.importance_cap == 10.0
+
+
+def test_the_demo_passes_its_objective_knobs_on() -> None:
+    from contextlib import ExitStack
+
+    from dew.demo.run import DemoConfig, build_job
+
+    assert DemoConfig().importance is None  # None: the objective's own default
+    with ExitStack() as stack:
+        job = build_job(DemoConfig(steps=1, importance="mask", importance_cap=3.0), stack)
+        assert (job.objective.importance, job.objective.importance_cap) == ("mask", 3.0)
+        default = build_job(DemoConfig(steps=1), stack).objective
+        assert (default.importance, default.importance_cap) == ("truncate", 2.0)

@@ -84,6 +84,9 @@ class DemoConfig:
     truncation: str = _SCHEDULER.truncation  # type: ignore[assignment]
     estimator: str = _SCHEDULER.estimator  # type: ignore[assignment]
     clip_high: float | None = None  # DAPO's clip-higher: keeps exploration alive
+    # The behavior weight's rule and bound (None: GRPOObjective's defaults).
+    importance: str | None = None
+    importance_cap: float | None = None
     # fit takes one update per batch, so the loss's own forward gives the proximal
     # log-probs exactly and the rescoring forward is skipped (GRPOObjective's docstring).
     proximal: str = "forward"
@@ -361,12 +364,16 @@ TASK_DEFAULTS: dict[str, dict[str, Any]] = {
     # length cap (per turn on the multi-turn variant).
     # Truncated answers are scored (diluted by their run-on tokens), not masked: a
     # masked one escapes every penalty, and lengths then run away to the cap.
+    # The behavior weight is truncated at 10, not the objective's 2: rollouts a few
+    # updates old under-sample exactly the tokens the policy is learning fastest, and a
+    # low cap takes most of their correction away (bench/RESULTS.md, "async steps").
     "tail": {
         "steps": 200,
         "lr": 1e-3,
         "max_tokens": _TAIL.length_cap,
         "estimator": "group_std",
         "clip_high": 0.28,
+        "importance_cap": 10.0,
         "truncation": "score",
     },
     "tail-turns": {
@@ -375,6 +382,7 @@ TASK_DEFAULTS: dict[str, dict[str, Any]] = {
         "max_tokens": _TAIL.turn_cap,
         "estimator": "group_std",
         "clip_high": 0.28,
+        "importance_cap": 10.0,
         "truncation": "score",
     },
 }
@@ -466,10 +474,12 @@ def build_job(
     torch.manual_seed(config.seed)
     tokenizer = make_tokenizer()
     model = make_model(config.arch, config.size, seed=config.seed, max_positions=config.positions)
+    chosen = {"importance": config.importance, "importance_cap": config.importance_cap}
     objective = GRPOObjective(
         temperature=config.temperature,
         clip_high=config.clip_high,
         proximal=config.proximal,  # type: ignore[arg-type]
+        **{name: value for name, value in chosen.items() if value is not None},
     )
     rows = config.batch_size * config.group_size
     world = 1 if pool is None else pool.world

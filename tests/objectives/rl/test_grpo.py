@@ -604,6 +604,56 @@ def test_each_knob_of_the_objective_changes_its_loss_as_the_formula_says(knobs: 
     assert abs(float(loss) - float(base)) > 1e-4, (knobs, float(loss), float(base))
 
 
+def test_importance_mask_drops_the_tokens_outside_the_band_from_the_objectives_loss() -> None:
+    model = sharp_model("qwen2")
+    batch = loss_batch(model, seed=12)
+    with torch.no_grad():
+        current = GRPOObjective().packed_log_probs(model, batch).numpy()
+    batch["proximal_log_probs"] = current.astype(np.float32)
+    cells = np.arange(current.size).reshape(current.shape)
+    log_w = np.select([cells % 3 == 0, cells % 3 == 1], [1.0, -1.0], 0.3)  # e, 1/e, in band
+    batch["behavior_log_probs"] = (current - log_w).astype(np.float32)
+    batch["advantages"] = np.where(cells % 4 == 0, -1.0, 0.5).astype(np.float32)
+    with torch.no_grad():
+        masked, stats = GRPOObjective(importance="mask").loss(model, batch)
+        truncated, _ = GRPOObjective().loss(model, batch)
+    trained = batch["loss_mask"] > 0
+    # r = 1 (the proximal policy is the current one), so a token's term is -w * A
+    kept = (cells % 3 == 2) & trained
+    rows, width = current.shape
+    want = -(math.exp(0.3) * batch["advantages"][kept].astype(np.float64)).sum() / (rows * width)
+    assert float(masked) == pytest.approx(want, rel=1e-5)
+    assert abs(float(masked) - float(truncated)) > 1e-4
+    share = float(np.mean((cells % 3 != 2)[trained]))
+    assert stats["importance_capped_fraction"] == pytest.approx(share, rel=1e-6)
+
+
+def test_importance_sequence_weighs_each_packed_chain_by_its_product() -> None:
+    model = sharp_model("qwen2")
+    batch = loss_batch(model, seed=13)
+    with torch.no_grad():
+        current = GRPOObjective().packed_log_probs(model, batch).numpy()
+    batch["proximal_log_probs"] = current.astype(np.float32)
+    cells = np.arange(current.size).reshape(current.shape)
+    log_w = np.where(cells % 2 == 0, 0.3, -0.1)
+    batch["behavior_log_probs"] = (current - log_w).astype(np.float32)
+    batch["advantages"] = np.where(cells % 3 == 0, -1.0, 0.5).astype(np.float32)
+    with torch.no_grad():
+        got, _ = GRPOObjective(importance="sequence").loss(model, batch)
+        truncated, _ = GRPOObjective().loss(model, batch)
+    # by hand: each chain's trained log w summed, e^sum truncated at 2, times -A (r = 1)
+    trained = batch["loss_mask"] > 0
+    segments, rows_width = batch["segments"], current.shape
+    want = 0.0
+    for row in range(rows_width[0]):
+        for chain in set(segments[row][segments[row] > 0].tolist()):
+            mine = (segments[row] == chain) & trained[row]
+            weight = min(math.exp(float(log_w[row][mine].sum())), 2.0)
+            want -= weight * float(batch["advantages"][row][mine].astype(np.float64).sum())
+    assert float(got) == pytest.approx(want / (rows_width[0] * rows_width[1]), rel=1e-4)
+    assert abs(float(got) - float(truncated)) > 1e-4
+
+
 # --------------------------------------------------------------------------- bad input
 
 

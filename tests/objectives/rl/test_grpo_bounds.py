@@ -12,9 +12,13 @@ import torch
 from dew.objectives.rl.grpo import (
     GRPOObjective,
     behavior_importance,
+    chain_sums,
     decoupled_ppo_loss,
+    masked_importance,
     mismatch_kl,
     reference_kl,
+    sequence_importance,
+    truncated_importance,
 )
 
 from .test_grpo import loss_batch, sharp_model
@@ -35,6 +39,73 @@ def test_behavior_importance_is_the_exp_of_the_difference() -> None:
     behavior = torch.tensor([-1.5, -1.0, -3.0])  # differences 0.5, -1, 2.5
     w = behavior_importance(proximal, behavior, cap=2.0)
     torch.testing.assert_close(w, torch.tensor([math.exp(0.5), math.exp(-1.0), 2.0]))
+
+
+def test_truncation_caps_the_weight_and_masking_zeroes_it_outside_the_band() -> None:
+    # weights 0.4, 0.6, 1.0, 1.9, 2.5 against cap 2: the band is [0.5, 2]
+    log_w = torch.log(torch.tensor([[0.4, 0.6, 1.0, 1.9, 2.5]]))
+    weight, changed = truncated_importance(log_w, 2.0)
+    torch.testing.assert_close(weight, torch.tensor([[0.4, 0.6, 1.0, 1.9, 2.0]]))
+    assert changed.tolist() == [[False, False, False, False, True]]  # only the upper side
+    weight, changed = masked_importance(log_w, 2.0)
+    torch.testing.assert_close(weight, torch.tensor([[0.0, 0.6, 1.0, 1.9, 0.0]]))
+    assert changed.tolist() == [[True, False, False, False, True]]  # both sides
+    # on the band's edges a weight is kept, as truncation keeps a weight at the cap
+    edges = torch.tensor([[exact_log(0.5), exact_log(2.0)]])
+    weight, changed = masked_importance(edges, 2.0)
+    torch.testing.assert_close(weight, torch.tensor([[0.5, 2.0]]))
+    assert not changed.any()
+
+
+def test_a_sequence_weight_is_its_chains_product_truncated_at_the_cap() -> None:
+    # row 0 holds chain 1 (log w 0.1, 0.2) and chain 2 (log w 0.5, 0.6, untrained 0);
+    # row 1 holds chain 1 (log w -0.3, -0.4) and padding
+    log_w = torch.tensor([[0.1, 0.2, 0.5, 0.6, 0.0], [-0.3, -0.4, 0.0, 0.0, 0.0]])
+    segments = torch.tensor([[1, 1, 2, 2, 2], [1, 1, 0, 0, 0]])
+    torch.testing.assert_close(
+        chain_sums(log_w, segments),
+        torch.tensor([[0.3, 0.3, 1.1, 1.1, 1.1], [-0.7, -0.7, 0.0, 0.0, 0.0]]),
+    )
+    weight, changed = sequence_importance(log_w, 2.0, segments)
+    e3, e7 = math.exp(0.3), math.exp(-0.7)  # e^1.1 = 3.0 > 2: truncated
+    torch.testing.assert_close(
+        weight, torch.tensor([[e3, e3, 2.0, 2.0, 2.0], [e7, e7, 1.0, 1.0, 1.0]])
+    )
+    assert changed.tolist() == [[False, False, True, True, True], [False] * 5]
+    with pytest.raises(ValueError, match="segments"):
+        sequence_importance(log_w, 2.0)
+
+
+def test_the_sequence_rule_weighs_a_chain_by_its_rollouts_likelihood_ratio() -> None:
+    # one row, two chains of two trained tokens, A = 1, r = 1: per-token weights
+    # 1.5 * 0.5 (chain 1, product 0.75) and 1.2 * 1.25 (chain 2, product 1.5)
+    logp = torch.zeros(1, 4, requires_grad=True)
+    behavior = -torch.log(torch.tensor([[1.5, 0.5, 1.2, 1.25]]))
+    segments = torch.tensor([[1, 1, 2, 2]])
+    per_token, metrics = decoupled_ppo_loss(
+        logp, torch.zeros(1, 4), behavior, torch.ones(1, 4), torch.ones(1, 4),
+        clip=0.2, clip_high=None, cap=2.0, importance="sequence", segments=segments,
+    )  # fmt: skip
+    torch.testing.assert_close(per_token, -torch.tensor([[0.75, 0.75, 1.5, 1.5]]))
+    assert metrics["importance_capped_fraction"].item() == 0.0
+
+
+def test_masked_tokens_train_nothing_and_are_counted_as_changed() -> None:
+    # three trained tokens, A = 1 and r = 1 each, weights 0.25, 1.5 and 3 against cap 2
+    logp = torch.zeros(1, 3, requires_grad=True)
+    behavior = -torch.log(torch.tensor([[0.25, 1.5, 3.0]]))  # proximal 0: w = 1 / p_behavior
+    args = (logp, torch.zeros(1, 3), behavior, torch.ones(1, 3), torch.ones(1, 3))
+    per_token, metrics = decoupled_ppo_loss(
+        *args, clip=0.2, clip_high=None, cap=2.0, importance="mask"
+    )
+    torch.testing.assert_close(per_token, torch.tensor([[0.0, -1.5, 0.0]]))
+    assert metrics["importance_capped_fraction"].item() == pytest.approx(2 / 3)
+    per_token.sum().backward()
+    assert logp.grad is not None
+    torch.testing.assert_close(logp.grad, torch.tensor([[0.0, -1.5, 0.0]]))  # -w * A * r
+    truncated, metrics = decoupled_ppo_loss(*args, clip=0.2, clip_high=None, cap=2.0)
+    torch.testing.assert_close(truncated, torch.tensor([[-0.25, -1.5, -2.0]]))
+    assert metrics["importance_capped_fraction"].item() == pytest.approx(1 / 3)
 
 
 def test_mismatch_kl_of_a_single_trained_token_is_its_k3() -> None:
@@ -134,14 +205,17 @@ def test_float64_metrics_are_exact_fractions() -> None:
 
 def test_defaults_and_the_cap_bounds() -> None:
     assert repr(GRPOObjective()) == (
-        "GRPOObjective(clip=0.2, clip_high=None, importance_cap=2.0, temperature=1.0, kl_coef=0.0, "
-        "proximal='rescore')"
+        "GRPOObjective(clip=0.2, clip_high=None, importance_cap=2.0, importance='truncate', "
+        "temperature=1.0, kl_coef=0.0, proximal='rescore')"
     )
     assert GRPOObjective(importance_cap=1).importance_cap == 1.0  # no upweighting at all
     for cap in (float("inf"), float("nan"), 0.99, "2"):
         with pytest.raises(ValueError) as info:
             GRPOObjective(importance_cap=cap)  # type: ignore[arg-type]
         assert str(info.value) == f"importance_cap must be a finite number >= 1, got {cap!r}"
+    with pytest.raises(ValueError) as info:
+        GRPOObjective(importance="clip")  # type: ignore[arg-type]
+    assert str(info.value) == "importance='clip' is not one of ['truncate', 'mask', 'sequence']"
     with pytest.raises(ValueError) as info:
         GRPOObjective(kl_coef=0.1)
     assert str(info.value) == "kl_coef > 0 needs a reference model (reference=...)"

@@ -13,9 +13,18 @@ Three policies meet in one update:
 The PPO trust region is taken around the proximal policy (ratio ``pi_theta /
 pi_proximal``, clipped), and the off-policy gap between behavior and proximal is
 corrected by a separate importance weight ``pi_proximal / pi_behavior`` that carries
-no gradient (AReaL's decoupled objective). That weight is *truncated* at
-``importance_cap`` (``min(w, cap)``), not used to drop tokens: a token the engine
-found much less likely than the trainer does still trains, with bounded weight.
+no gradient (AReaL's decoupled objective). How that weight is bounded is a registered
+rule (``importance``, see :data:`IMPORTANCE`): ``"truncate"`` (the default) caps it at
+``importance_cap`` (``min(w, cap)``), so a token the engine found much less likely than
+the trainer does still trains, with bounded weight; ``"mask"`` keeps ``w`` inside
+``[1 / cap, cap]`` and gives every token outside that band weight 0 (masked importance
+sampling, as IcePop and slime's MIS do): a token whose probability moved that far since
+it was sampled stops training instead of training at the cap; ``"sequence"`` weighs every
+token of a chain by the chain's whole likelihood ratio (the product of its tokens'
+``w``), truncated at the cap, which also corrects for the earlier tokens the behavior
+policy chose. Rollouts a few updates old under-sample the tokens the policy has been
+learning fastest (likely now, rare then), so these are exactly the tokens with a large
+``w``: a tight cap takes most of their correction away.
 
 Decisions worth knowing:
 
@@ -25,6 +34,8 @@ Decisions worth knowing:
 * ``loss_mask`` is a float weight; a token trains when its mask is > 0. Everything
   read at an untrained token is replaced by a neutral value before use, so garbage
   there (inf advantages, wild log-probs) cannot leak NaN into the gradient.
+* ``importance_capped_fraction`` counts trained tokens whose weight the rule changed
+  (truncated, or masked to 0).
 * ``clip_fraction`` counts tokens whose gradient the clip switched off (the clipped
   branch won the minimum), which is what tells you the trust region is binding.
 * ``mismatch_kl`` estimates KL(behavior || proximal) on the trained tokens with the
@@ -61,17 +72,22 @@ from dew.objectives.rl._packed_forward import (
 
 __all__ = [
     "ATTENTION_MASKS",
+    "IMPORTANCE",
     "PROXIMAL",
     "PROXIMAL_STAMP",
     "GRPOObjective",
     "behavior_importance",
     "chain_attention",
+    "chain_sums",
     "decoupled_ppo_loss",
+    "masked_importance",
     "mismatch_kl",
     "optimizer_steps",
     "reference_kl",
+    "sequence_importance",
     "support_log_normalizer",
     "token_log_probs",
+    "truncated_importance",
 ]
 
 _LOSS_KEYS = ("loss_mask", "advantages", "behavior_log_probs", "proximal_log_probs")
@@ -106,9 +122,75 @@ def optimizer_steps() -> int:
     return _steps[0]
 
 
-def behavior_importance(proximal: torch.Tensor, behavior: torch.Tensor, cap: float) -> torch.Tensor:
-    """``min(exp(proximal - behavior), cap)`` per token; [rows, width] -> [rows, width]."""
-    return torch.exp(proximal - behavior).clamp(max=cap)
+def truncated_importance(
+    log_w: torch.Tensor, cap: float, segments: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(min(w, cap), w > cap)`` with ``w = exp(log_w)``; [rows, width] -> two [rows, width]."""
+    w = torch.exp(log_w)
+    return w.clamp(max=cap), w > cap
+
+
+def masked_importance(
+    log_w: torch.Tensor, cap: float, segments: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(w or 0, outside)``: ``w = exp(log_w)`` where ``1/cap <= w <= cap``, else 0.
+
+    [rows, width] -> two [rows, width]; ``outside`` marks the tokens set to 0.
+    """
+    w = torch.exp(log_w)
+    bound = torch.tensor(math.log(cap), dtype=log_w.dtype)  # in log_w's precision: +-symmetric
+    outside = (log_w > bound) | (log_w < -bound)
+    return torch.where(outside, torch.zeros_like(w), w), outside
+
+
+def chain_sums(values: torch.Tensor, segments: torch.Tensor) -> torch.Tensor:
+    """Each token's sum of ``values`` over its chain (its row's tokens of its segment).
+
+    ``values`` [rows, width] float, ``segments`` [rows, width] int (0 = padding, whose
+    sums mean nothing) -> [rows, width].
+    """
+    rows = values.shape[0]
+    seg = segments.to(device=values.device, dtype=torch.long)  # [rows, width]
+    span = int(seg.max()) + 1 if seg.numel() else 1
+    cell = torch.arange(rows, device=values.device)[:, None] * span + seg  # [rows, width]
+    sums = values.new_zeros(rows * span).scatter_add_(0, cell.reshape(-1), values.reshape(-1))
+    return sums[cell]  # [rows, width]
+
+
+def sequence_importance(
+    log_w: torch.Tensor, cap: float, segments: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(min(W, cap), W > cap)`` where ``W`` is the product of ``w`` over the token's chain.
+
+    A chain's tokens all get its weight: the likelihood ratio of the whole rollout,
+    which also corrects for the states (earlier tokens) the behavior policy visited.
+    ``log_w`` [rows, width] (0 at untrained tokens), ``segments`` [rows, width] ->
+    two [rows, width].
+    """
+    if segments is None:
+        raise ValueError("importance='sequence' needs the batch's segments")
+    w = torch.exp(chain_sums(log_w, segments))  # [rows, width]
+    return w.clamp(max=cap), w > cap
+
+
+# How the behavior weight w = pi_proximal / pi_behavior is bounded: name -> rule taking
+# (log w, cap, segments) and returning (weight, changed), all [rows, width].
+IMPORTANCE = {
+    "truncate": truncated_importance,
+    "mask": masked_importance,
+    "sequence": sequence_importance,
+}
+ImportanceChoice = Literal["truncate", "mask", "sequence"]
+
+
+def behavior_importance(
+    proximal: torch.Tensor, behavior: torch.Tensor, cap: float, rule: str = "truncate"
+) -> torch.Tensor:
+    """The bounded weight ``pi_proximal / pi_behavior`` per token under ``rule``
+    (:data:`IMPORTANCE`); [rows, width] -> [rows, width]."""
+    if rule == "sequence":
+        raise ValueError("importance='sequence' weighs chains: use decoupled_ppo_loss")
+    return IMPORTANCE[rule](proximal - behavior, cap)[0]
 
 
 def mismatch_kl(
@@ -146,6 +228,8 @@ def decoupled_ppo_loss(
     clip: float,
     clip_high: float | None,
     cap: float,
+    importance: str = "truncate",
+    segments: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Per-token decoupled PPO loss (to minimize) and detached metric scalars.
 
@@ -153,7 +237,7 @@ def decoupled_ppo_loss(
     [rows, width] log-probs (no grad needed); ``advantages`` [rows, width];
     ``mask`` [rows, width] float weight (> 0 = trained).
     Returns ``per_token`` [rows, width] = ``-mask * w * min(r * A, clip(r) * A)`` with
-    ``w = behavior_importance(proximal, behavior, cap)`` (detached), ``r = exp(logp -
+    ``w = behavior_importance(proximal, behavior, cap, importance)`` (detached), ``r = exp(logp -
     proximal)`` and ``clip(r)`` in ``[1 - clip, 1 + (clip_high or clip)]``; 0 where
     ``mask`` is 0. Metrics: mismatch_kl, importance_mean, importance_max (before the
     cap), importance_capped_fraction, clip_fraction, ratio_mean, trained_tokens.
@@ -167,7 +251,7 @@ def decoupled_ppo_loss(
     adv = torch.where(trained, advantages.to(logp.dtype), zero)  # [rows, width]
     log_w = torch.where(trained, proximal - behavior, zero)  # [rows, width]
     raw_w = torch.exp(log_w)  # [rows, width]
-    weight = raw_w.clamp(max=cap)  # [rows, width]
+    weight, changed = IMPORTANCE[importance](log_w, cap, segments)  # [rows, width] each
     log_ratio = torch.where(trained, logp - proximal, zero)  # [rows, width], grad via logp
     ratio = torch.exp(log_ratio)  # [rows, width]
     clipped = ratio.clamp(1.0 - clip, 1.0 + high)  # [rows, width]
@@ -184,7 +268,7 @@ def decoupled_ppo_loss(
             "importance_mean": torch.where(trained, raw_w, zero).sum() / denom,
             # amax over an empty batch is an error; the 0 in front covers that case
             "importance_max": torch.cat([zero.new_zeros(1), raw_w[trained]]).max(),
-            "importance_capped_fraction": (trained & (raw_w > cap)).sum() / denom,
+            "importance_capped_fraction": (trained & changed).sum() / denom,
             "clip_fraction": clip_active.sum() / denom,
             "ratio_mean": torch.where(trained, r, zero).sum() / denom,
             "trained_tokens": n.to(logp.dtype),
@@ -203,7 +287,10 @@ class GRPOObjective:
 
     ``clip`` bounds the ratio from below (``1 - clip``) and, unless ``clip_high`` is
     given, from above (``1 + clip``); ``clip_high`` alone widens the upper side
-    (asymmetric, "clip-higher"). ``importance_cap`` truncates the behavior weight.
+    (asymmetric, "clip-higher"). ``importance`` is how the behavior weight is bounded
+    (:data:`IMPORTANCE`: ``"truncate"`` at ``importance_cap``, ``"mask"`` outside
+    ``[1 / importance_cap, importance_cap]``, or ``"sequence"``, each chain's product
+    truncated at ``importance_cap``; see the module docstring).
     ``temperature`` must be the sampling temperature, so trainer log-probs describe
     the same distribution the engine drew from. ``kl_coef`` (0: off) adds that many
     times :func:`reference_kl` against the frozen ``reference`` model to every trained
@@ -219,6 +306,7 @@ class GRPOObjective:
         clip: float = 0.2,
         clip_high: float | None = None,
         importance_cap: float = 2.0,
+        importance: ImportanceChoice = "truncate",
         temperature: float = 1.0,
         kl_coef: float = 0.0,
         reference: torch.nn.Module | None = None,
@@ -230,6 +318,9 @@ class GRPOObjective:
         if not (cap_ok and importance_cap >= 1):
             raise ValueError(f"importance_cap must be a finite number >= 1, got {importance_cap!r}")
         self.importance_cap = float(importance_cap)
+        if importance not in IMPORTANCE:
+            raise ValueError(f"importance={importance!r} is not one of {list(IMPORTANCE)}")
+        self.importance: ImportanceChoice = importance
         self.temperature = _positive("temperature", temperature)
         kl_ok = isinstance(kl_coef, (int, float)) and math.isfinite(kl_coef) and kl_coef >= 0
         if not kl_ok:
@@ -245,7 +336,8 @@ class GRPOObjective:
     def __repr__(self) -> str:
         return (
             f"GRPOObjective(clip={self.clip}, clip_high={self.clip_high}, "
-            f"importance_cap={self.importance_cap}, temperature={self.temperature}, "
+            f"importance_cap={self.importance_cap}, importance={self.importance!r}, "
+            f"temperature={self.temperature}, "
             f"kl_coef={self.kl_coef}, proximal={self.proximal!r})"
         )
 
@@ -262,8 +354,9 @@ class GRPOObjective:
         return packed_forward_log_probs(model, batch, temperature=self.temperature)
 
     def behavior_importance(self, proximal: torch.Tensor, behavior: torch.Tensor) -> torch.Tensor:
-        """``exp(proximal - behavior)`` truncated at ``importance_cap``; same shape as inputs."""
-        return behavior_importance(proximal, behavior, self.importance_cap)
+        """``exp(proximal - behavior)`` bounded by ``importance`` at ``importance_cap``;
+        same shape as inputs."""
+        return behavior_importance(proximal, behavior, self.importance_cap, self.importance)
 
     def fill_proximal(self, model: torch.nn.Module, batch: dict[str, np.ndarray]) -> None:
         """Set ``batch["proximal_log_probs"]`` for a batch handed over under ``model``.
@@ -297,6 +390,11 @@ class GRPOObjective:
                 "update on one batch needs GRPOObjective(proximal='rescore'))"
             )
         return logp.detach()
+
+    @staticmethod
+    def _segments(batch: Mapping[str, np.ndarray | torch.Tensor]) -> torch.Tensor:
+        seg = batch["segments"]
+        return seg if isinstance(seg, torch.Tensor) else torch.from_numpy(np.asarray(seg))
 
     def loss(
         self,
@@ -342,6 +440,8 @@ class GRPOObjective:
             clip=self.clip,
             clip_high=self.clip_high,
             cap=self.importance_cap,
+            importance=self.importance,
+            segments=self._segments(batch) if self.importance == "sequence" else None,
         )
         if self.kl_coef > 0:
             assert self.reference is not None

@@ -1,0 +1,253 @@
+"""Where async runs spend extra steps: ablations of dew's knobs, steps to the threshold.
+
+Runs dew on a heavy-tailed task (``dew.demo.tail``) once per seed and variant, the
+variants of one seed back to back (one process at a time, as ``bench/vs_trl_tail.py``
+does), each until its reward reaches the task's threshold (the mean of the last 10
+steps, as there) or ``--max-steps``. A variant is a name and the ``DemoConfig`` fields it
+sets on top of the task's tuned settings (``--variant 'ahead 1:ahead=1,max_lag=1'``);
+the default set is the ablation of ``bench/RESULTS.md``: sync, the planned policy
+(ahead 2, oversample 2), and each of its parts and of the objective's off-policy knobs
+changed alone.
+
+Figures per variant, over the seeds: steps to the threshold (median and the
+distribution-free interval of ``bench/_stats.py``), those steps over the synchronous
+run's of the same seed (paired), the reward at step ``--at`` (the mean of the 10 steps
+ending there: it needs no threshold crossing, so it varies less from run to run),
+seconds per step and to the threshold, and from the runs' records: the mean lag of the
+trained rollouts (updates), the mean length of the admitted completions and of the
+cancelled ones when cut, and the KL between the behavior and proximal policies. The
+cores other work took during each run are reported too; a table with a run over
+``_stats.QUIET`` is marked as measured under load.
+
+    .venv/bin/python bench/async_steps.py --task tail --seeds 100,101,102,103,104 --write
+
+``--save DIR`` keeps every run's result; ``--load DIR`` renders them again without
+running anything; ``--write`` replaces this task's ``## async steps`` section of
+bench/RESULTS.md; ``--tiny`` runs two small steps of two variants and writes nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/_results.py, _vs_trl_*.py
+from _results import provenance_lines, write_section
+from _stats import QUIET, median_interval, paired_ratios
+from _vs_trl_common import WINDOW, RunResult, RunSpec
+from vs_trl import load_results, run_provenance, run_worker, save_result
+from vs_trl_tail import THRESHOLDS, reach_seconds, reach_steps
+
+SYNC = "sync"
+_A2 = {"ahead": 2, "max_lag": 2}
+_A1 = {"ahead": 1, "max_lag": 1}
+_CAP2 = {"importance_cap": 2.0}  # the objective's default, and the tail tasks' until the ablation
+# name -> DemoConfig fields on top of the task's tuned ones. The first is the baseline
+# every other is paired with; then the policy `dew plan` recommended (ahead 2 +
+# oversample 2) and each change of it alone: no cut, one batch ahead, the masked
+# behavior weight, keys/values recomputed at a push (step lag for every token), a
+# higher cap or none, the higher cap with recomputing, and the chain-level weight.
+VARIANTS: dict[str, dict[str, Any]] = {
+    SYNC: {"ahead": 0, "max_lag": 0},
+    "ahead 2, os 2": {**_A2, "oversample": 2, **_CAP2},
+    "ahead 2": {**_A2, **_CAP2},
+    "ahead 1": {**_A1, **_CAP2},
+    "ahead 1, os 2": {**_A1, "oversample": 2, **_CAP2},
+    "ahead 2, masked importance": {**_A2, "importance": "mask", **_CAP2},
+    "ahead 2, recompute": {**_A2, "on_load": "recompute", **_CAP2},
+    "ahead 1, recompute": {**_A1, "on_load": "recompute", **_CAP2},
+    "ahead 2, no cap": {**_A2, "importance_cap": 1e6},
+    "ahead 2, cap 10": {**_A2, "importance_cap": 10.0},
+    "ahead 2, cap 10, recompute": {**_A2, "importance_cap": 10.0, "on_load": "recompute"},
+    "ahead 2, sequence, cap 10": {**_A2, "importance": "sequence", "importance_cap": 10.0},
+}
+
+
+def parse_variant(text: str) -> tuple[str, dict[str, Any]]:
+    """``'name:field=value,field=value'`` -> (name, fields); values are Python literals
+    where they parse as one (``1``, ``0.5``, ``None``, ``'mask'``), else strings."""
+    import ast
+
+    name, sep, body = text.partition(":")
+    if not sep or not name.strip():
+        raise SystemExit(f"--variant {text!r}: name:field=value[,field=value]")
+    fields: dict[str, Any] = {}
+    for part in filter(None, (p.strip() for p in body.split(","))):
+        key, eq, value = part.partition("=")
+        if not eq:
+            raise SystemExit(f"--variant {text!r}: {part!r} is not field=value")
+        try:
+            fields[key.strip()] = ast.literal_eval(value.strip())
+        except (ValueError, SyntaxError):
+            fields[key.strip()] = value.strip()
+    return name.strip(), fields
+
+
+def _spec(task: str, seed: int, fields: dict[str, Any], args: argparse.Namespace) -> RunSpec:
+    return RunSpec(
+        system="dew",
+        task=task,
+        seed=seed,
+        threads=args.threads,
+        max_seconds=args.max_seconds,
+        max_steps=args.max_steps,
+        stop_at_reward=True,
+        threshold=THRESHOLDS[task],
+        small=args.tiny,
+        overrides=fields,
+    )
+
+
+def run_all(
+    task: str, variants: dict[str, dict[str, Any]], args: argparse.Namespace
+) -> dict[str, list[RunResult]]:
+    results: dict[str, list[RunResult]] = {name: [] for name in variants}
+    for seed in args.seeds:
+        for name, fields in variants.items():
+            result = run_worker(_spec(task, seed, fields, args), timeout=args.max_seconds + 300)
+            if args.save:
+                save_result(args.save, task, name, result)
+            print(
+                f"  {task} {name} seed {seed}: {reach_steps(result)} steps to the threshold "
+                f"({result.stopped}), {result.seconds_per_step:.3f} s/step, load "
+                f"{result.load if result.load is None else round(result.load, 2)}",
+                file=sys.stderr,
+                flush=True,
+            )
+            results[name].append(result)
+    return results
+
+
+def reward_at(result: RunResult, step: int) -> float | None:
+    """Mean reward of the ``WINDOW`` steps ending at ``step``; a run that reached the
+    threshold before it counts at the threshold, one that stopped short of both is None."""
+    if result.steps >= step:
+        return statistics.fmean(result.rewards[step - WINDOW : step])
+    return result.spec.threshold if result.reached() else None
+
+
+def _span(values: list[float], fmt: str) -> str:
+    if len(values) == 1:
+        return fmt.format(values[0])
+    span = median_interval(values)
+    return f"{fmt.format(span.median)} ({fmt.format(span.low)}-{fmt.format(span.high)})"
+
+
+def _mean_of(results: list[RunResult], key: str, fmt: str) -> str:
+    values = [r.diagnostics[key] for r in results if key in r.diagnostics]
+    return fmt.format(statistics.fmean(values)) if values else "-"
+
+
+def report(task: str, results: dict[str, list[RunResult]], at: int) -> str:
+    threshold = THRESHOLDS[task]
+    base = results[SYNC] if SYNC in results else None
+    lines = [
+        f"| variant | steps to {threshold}, per seed | median (interval) | / sync's, per "
+        f"seed | reward at step {at} | s/step | seconds to {threshold} | lag | admitted "
+        "len | cut len | mismatch KL |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for name, measured in results.items():
+        steps = [float(reach_steps(r)) for r in measured]
+        per_seed = ", ".join(f"{reach_steps(r)}" + ("" if r.reached() else "+") for r in measured)
+        paired = "-"
+        if base is not None and name != SYNC:
+            ratios = paired_ratios(
+                {r.spec.seed: reach_steps(r) for r in measured},
+                {r.spec.seed: reach_steps(r) for r in base},
+            )
+            paired = _span(ratios, "{:.2f}x")
+        rewards = [v for r in measured if (v := reward_at(r, at)) is not None]
+        lines.append(
+            f"| {name} | {per_seed} | {_span(steps, '{:.0f}')} | {paired} "
+            f"| {_span(rewards, '{:.3f}') if rewards else '-'} "
+            f"| {statistics.median(r.seconds_per_step for r in measured):.3f} "
+            f"| {_span([reach_seconds(r) for r in measured], '{:.1f}')} "
+            f"| {_mean_of(measured, 'lag', '{:.2f}')} "
+            f"| {_mean_of(measured, 'admitted_len', '{:.1f}')} "
+            f"| {_mean_of(measured, 'cut_partial_len', '{:.1f}')} "
+            f"| {_mean_of(measured, 'mismatch_kl', '{:.4f}')} |"
+        )
+    loads = [r.load for rs in results.values() for r in rs]
+    if any(load is None for load in loads):
+        machine = "load not measured for some runs"
+    elif max(loads) <= QUIET:  # type: ignore[type-var]
+        machine = f"quiet: other work took at most {max(loads):.2f} cores during any run"  # type: ignore[type-var]
+    else:
+        machine = f"UNDER LOAD: other work took up to {max(loads):.2f} cores"  # type: ignore[type-var]
+    lines += [
+        "",
+        f"- a `+` marks a run that stopped at its step cap before the threshold (counted at "
+        f"its cap); a run that reached it before step {at} counts at it there; medians over "
+        f"the seeds with their distribution-free interval (`bench/_stats.py`)",
+        f"- machine: {machine}",
+    ]
+    return "\n".join(lines)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--task", default="tail", choices=sorted(THRESHOLDS))
+    ap.add_argument("--seeds", default="100,101,102,103,104", help="comma-separated seeds")
+    ap.add_argument(
+        "--variant",
+        action="append",
+        default=None,
+        help="name:field=value,... (repeatable; default: the ablation set)",
+    )
+    ap.add_argument("--at", type=int, default=100, help="the step whose reward is compared")
+    ap.add_argument("--threads", type=int, default=1, help="torch threads per run")
+    ap.add_argument("--max-steps", type=int, default=300, help="step cap per run")
+    ap.add_argument("--max-seconds", type=float, default=600.0, help="wall cap per run")
+    ap.add_argument("--save", default=None, help="folder to keep every run's result in")
+    ap.add_argument("--load", default=None, help="render the results saved in this folder")
+    ap.add_argument("--tiny", action="store_true", help="two small steps, no write")
+    ap.add_argument("--write", action="store_true", help="update bench/RESULTS.md")
+    args = ap.parse_args()
+    try:
+        args.seeds = [int(s) for s in args.seeds.split(",") if s.strip()]
+    except ValueError:
+        raise SystemExit(f"--seeds {args.seeds!r}: comma-separated integers") from None
+    args.dew_threads = args.threads  # what run_provenance reads
+    variants = dict(parse_variant(v) for v in args.variant) if args.variant else dict(VARIANTS)
+    if not args.seeds or min(args.threads, args.max_steps, args.at) < 1:
+        raise SystemExit("need a seed, and --threads, --max-steps and --at >= 1")
+    if args.at < WINDOW:
+        raise SystemExit(f"--at {args.at}: at least {WINDOW}, the reward window")
+    if args.tiny:
+        args.seeds, args.max_steps, args.at, args.write = [0], 2, WINDOW, False
+        variants = dict(list(variants.items())[:2])
+    if args.save:
+        Path(args.save).mkdir(parents=True, exist_ok=True)
+    t0 = time.monotonic()
+    if args.load:
+        results = load_results(args.load, args.task, list(variants))
+    else:
+        results = run_all(args.task, variants, args)
+    elapsed = time.monotonic() - t0
+    seeds = sorted({r.spec.seed for rs in results.values() for r in rs})
+    # what each variant ran with: its saved runs' fields (all seeds of one variant share them)
+    ran = {name: measured[0].spec.overrides for name, measured in results.items()}
+    text = (
+        f"### {args.task} (seeds {', '.join(map(str, seeds))})\n\n"
+        + "\n".join(f"- {name}: `{fields}`" for name, fields in ran.items())
+        + "\n\n"
+        + report(args.task, results, args.at)
+    )
+    print(text)
+    print(f"\nbench wall time: {elapsed:.0f} s")
+    run = run_provenance("async_steps.py", elapsed, args)
+    if args.write:
+        write_section(
+            f"## async steps: {args.task}\n\n{__doc__.split(chr(10) + chr(10))[1]}\n\n"
+            f"{provenance_lines(run)}\n{text}\n"
+        )
+        print("wrote the async steps section of bench/RESULTS.md")
+
+
+if __name__ == "__main__":
+    main()
