@@ -57,11 +57,17 @@ def provenance(script: str, seconds: float, *versions: str) -> dict[str, Any]:
 def provenance_lines(run: Mapping[str, Any]) -> str:
     """A section's ``- command``, ``- machine`` and ``- date`` lines for ``run``
     (:func:`provenance`; an optional ``note`` follows the command)."""
+    commands = run["command"] if isinstance(run["command"], list) else [run["command"]]
+    # a section made of several invocations (kept in one folder) lists each of them
+    command = "; ".join(f"`{c}`" for c in commands)
+    when = f"- date: {run['date']}"
+    if run.get("seconds") is not None:
+        when += f", wall time {run['seconds']:.0f} s"
+    if run.get("load") is not None:
+        when += f", 1-minute load average at the end {run['load']:.1f}"
     return (
-        f"- command: `{run['command']}`{run.get('note', '')}\n"
-        f"- machine: {run['machine']}\n"
-        f"- date: {run['date']}, wall time {run['seconds']:.0f} s, "
-        f"1-minute load average at the end {run['load']:.1f}\n"
+        f"- command{'s' if len(commands) > 1 else ''}: {command}{run.get('note', '')}\n"
+        f"- machine: {run['machine']}\n{when}\n"
     )
 
 

@@ -12,7 +12,7 @@ changed alone.
 Figures per variant, over the seeds: steps to the threshold (median and the
 distribution-free interval of ``bench/_stats.py``), those steps over the synchronous
 run's of the same seed (paired), the reward at step ``--at`` (the mean of the 10 steps
-ending there: it needs no threshold crossing, so it varies less from run to run),
+ending there: how far a run had got before the last stretch to the threshold),
 seconds per step and to the threshold, and from the runs' records: the mean lag of the
 trained rollouts (updates), the mean length of the admitted completions and of the
 cancelled ones when cut, and the KL between the behavior and proximal policies. The
@@ -137,6 +137,17 @@ def _span(values: list[float], fmt: str) -> str:
     return f"{fmt.format(span.median)} ({fmt.format(span.low)}-{fmt.format(span.high)})"
 
 
+def _seeds(seeds: list[int]) -> str:
+    """``[100, 101, 102, 105]`` -> ``"100-102, 105"``."""
+    runs: list[list[int]] = []
+    for seed in sorted(seeds):
+        if runs and seed == runs[-1][-1] + 1:
+            runs[-1].append(seed)
+        else:
+            runs.append([seed])
+    return ", ".join(str(r[0]) if len(r) == 1 else f"{r[0]}-{r[-1]}" for r in runs)
+
+
 def _mean_of(results: list[RunResult], key: str, fmt: str) -> str:
     values = [r.diagnostics[key] for r in results if key in r.diagnostics]
     return fmt.format(statistics.fmean(values)) if values else "-"
@@ -146,10 +157,10 @@ def report(task: str, results: dict[str, list[RunResult]], at: int) -> str:
     threshold = THRESHOLDS[task]
     base = results[SYNC] if SYNC in results else None
     lines = [
-        f"| variant | steps to {threshold}, per seed | median (interval) | / sync's, per "
+        f"| variant | seeds | steps to {threshold}, per seed | median (interval) | / sync's, per "
         f"seed | reward at step {at} | s/step | seconds to {threshold} | lag | admitted "
         "len | cut len | mismatch KL |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for name, measured in results.items():
         steps = [float(reach_steps(r)) for r in measured]
@@ -163,7 +174,8 @@ def report(task: str, results: dict[str, list[RunResult]], at: int) -> str:
             paired = _span(ratios, "{:.2f}x")
         rewards = [v for r in measured if (v := reward_at(r, at)) is not None]
         lines.append(
-            f"| {name} | {per_seed} | {_span(steps, '{:.0f}')} | {paired} "
+            f"| {name} | {_seeds([r.spec.seed for r in measured])} | {per_seed} "
+            f"| {_span(steps, '{:.0f}')} | {paired} "
             f"| {_span(rewards, '{:.3f}') if rewards else '-'} "
             f"| {statistics.median(r.seconds_per_step for r in measured):.3f} "
             f"| {_span([reach_seconds(r) for r in measured], '{:.1f}')} "

@@ -40,3 +40,17 @@ def test_sections_and_summary_rows_replace_only_their_own(tmp_path: Path) -> Non
 def test_a_section_needs_a_header(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="## name"):
         results_module().write_section("no header\n", tmp_path / "R.md")
+
+
+def test_provenance_of_one_command_and_of_several() -> None:
+    r = results_module()
+    one = {"command": "a --x", "machine": "m", "date": "d", "seconds": 12.4, "load": 0.31}
+    assert r.provenance_lines(one) == (
+        "- command: `a --x`\n- machine: m\n"
+        "- date: d, wall time 12 s, 1-minute load average at the end 0.3\n"
+    )
+    several = {"command": ["a", "b"], "machine": "m", "date": "d", "note": " (one by one)"}
+    assert (
+        r.provenance_lines(several)
+        == "- commands: `a`; `b` (one by one)\n- machine: m\n- date: d\n"
+    )
