@@ -39,21 +39,22 @@ def test_vs_trl_tail_bench_tiny(tmp_path: Path) -> None:
         for run in runs:
             row = re.search(
                 rf"^\| {run} \| 0 \| not reached in 2 steps \| 2 \| ([\d,]+) \| (\d+\.\d+) "
-                rf"\| (\d+)% \| ([\d,]+) MB \|$",
+                rf"\| (\d+)% \| (\d+\.\d\d) \| ([\d,]+) MB \|$",
                 section,
                 re.M,
             )
             assert row, section
             assert int(row[1].replace(",", "")) > 0 and float(row[2]) > 0
             assert 0 < int(row[3]) <= 100  # an untrained first step always waits a while
-            assert 100 < int(row[4].replace(",", "")) < 20_000  # MB: a real process's peak
+            assert float(row[4]) >= 0  # cores other work took during the run
+            assert 100 < int(row[5].replace(",", "")) < 20_000  # MB: a real process's peak
         assert re.search(
             r"^- TRL GRPOTrainer seconds to reward [\d.]+ / dew \(ahead 1, os 1\)'s \(medians\): "
             r".+; completions/s, dew \(ahead 1, os 1\) / TRL GRPOTrainer: \d+\.\d+x$",
             section,
             re.M,
         ), section
-    for task, target in (("tail", "2"), ("tail-turns", "3")):
+    for task, target in (("tail", "3"), ("tail-turns", "3")):
         assert re.search(
             rf"^vs TRL, {task}: time to reward [\d.]+: .+; target >= {target}x: ", text, re.M
         ), text
