@@ -90,6 +90,21 @@ def _own_seconds() -> float:
     return total
 
 
+def load_summary(loads: Sequence[float | None]) -> tuple[str, bool]:
+    """(what the runs' ``loads`` say about the machine, whether it was quiet for all)."""
+    if any(load is None for load in loads):
+        return "load not measured for some runs", False
+    worst = max(loads)  # type: ignore[type-var]
+    if worst <= QUIET:
+        return f"quiet: other work took at most {worst:.2f} cores during any run", True
+    busy = sum(load > QUIET for load in loads)  # type: ignore[operator]
+    return (
+        f"UNDER LOAD: other work took up to {worst:.2f} cores ({busy} of {len(loads)} runs "
+        f"over {QUIET:g})",
+        False,
+    )
+
+
 class OtherLoad:
     """Measures the cores other work took while a block ran (module docstring).
 

@@ -37,9 +37,9 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/_results.py, _vs_trl_*.py
 from _results import provenance_lines, write_section
-from _stats import QUIET, median_interval, paired_ratios
+from _stats import load_summary, median_interval, paired_ratios
 from _vs_trl_common import WINDOW, RunResult, RunSpec
-from vs_trl import load_results, run_provenance, run_worker, save_result
+from vs_trl import load_results, parse_seeds, run_provenance, run_worker, save_result
 from vs_trl_tail import THRESHOLDS, reach_seconds, reach_steps
 
 SYNC = "sync"
@@ -133,8 +133,7 @@ def reward_at(result: RunResult, step: int) -> float | None:
 def _span(values: list[float], fmt: str) -> str:
     if len(values) == 1:
         return fmt.format(values[0])
-    span = median_interval(values)
-    return f"{fmt.format(span.median)} ({fmt.format(span.low)}-{fmt.format(span.high)})"
+    return median_interval(values).text(fmt)
 
 
 def _seeds(seeds: list[int]) -> str:
@@ -184,13 +183,7 @@ def report(task: str, results: dict[str, list[RunResult]], at: int) -> str:
             f"| {_mean_of(measured, 'cut_partial_len', '{:.1f}')} "
             f"| {_mean_of(measured, 'mismatch_kl', '{:.4f}')} |"
         )
-    loads = [r.load for rs in results.values() for r in rs]
-    if any(load is None for load in loads):
-        machine = "load not measured for some runs"
-    elif max(loads) <= QUIET:  # type: ignore[type-var]
-        machine = f"quiet: other work took at most {max(loads):.2f} cores during any run"  # type: ignore[type-var]
-    else:
-        machine = f"UNDER LOAD: other work took up to {max(loads):.2f} cores"  # type: ignore[type-var]
+    machine, _ = load_summary([r.load for rs in results.values() for r in rs])
     lines += [
         "",
         f"- a `+` marks a run that stopped at its step cap before the threshold (counted at "
@@ -220,10 +213,7 @@ def main() -> None:
     ap.add_argument("--tiny", action="store_true", help="two small steps, no write")
     ap.add_argument("--write", action="store_true", help="update bench/RESULTS.md")
     args = ap.parse_args()
-    try:
-        args.seeds = [int(s) for s in args.seeds.split(",") if s.strip()]
-    except ValueError:
-        raise SystemExit(f"--seeds {args.seeds!r}: comma-separated integers") from None
+    args.seeds = parse_seeds(args.seeds)
     args.dew_threads = args.threads  # what run_provenance reads
     variants = dict(parse_variant(v) for v in args.variant) if args.variant else dict(VARIANTS)
     if not args.seeds or min(args.threads, args.max_steps, args.at) < 1:

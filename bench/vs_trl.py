@@ -299,7 +299,8 @@ def multi_report(results: dict[str, list[RunResult]], latency: float) -> Report:
 # ------------------------------------------------------------------ the run
 
 
-def _seeds(text: str) -> list[int]:
+def parse_seeds(text: str) -> list[int]:
+    """``--seeds`` text as a list of ints; one clear line and exit 2 on anything else."""
     try:
         seeds = [int(s) for s in text.split(",") if s.strip()]
     except ValueError:
@@ -424,7 +425,7 @@ def main() -> None:
     ap.add_argument("--tiny", action="store_true", help="a few steps of everything, no write")
     ap.add_argument("--write", action="store_true", help="update bench/RESULTS.md")
     args = ap.parse_args()
-    seeds, mt_seeds = _seeds(args.seeds), _seeds(args.mt_seeds)
+    seeds, mt_seeds = parse_seeds(args.seeds), parse_seeds(args.mt_seeds)
     if args.tiny:
         seeds, mt_seeds = seeds[:1], mt_seeds[:1]
         args.max_steps, args.mt_steps, args.max_seconds = 2, 2, 60.0

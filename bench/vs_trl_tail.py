@@ -54,12 +54,13 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/_results.py, _vs_trl_*.py
 import _results
 from _results import provenance_lines, write_section, write_summary_row
-from _stats import QUIET, median_interval, paired_ratios
+from _stats import load_summary, median_interval, paired_ratios
 from _vs_trl_common import WINDOW, RunResult, RunSpec
 from dew.demo.tail import Workload
 from vs_trl import (
     load_results,
     median_reach,
+    parse_seeds,
     reach_cell,
     run_provenance,
     run_worker,
@@ -232,18 +233,8 @@ def paired_text(top: list[RunResult], bottom: list[RunResult], of: Any) -> str:
 
 def load_text(results: dict[str, list[RunResult]]) -> tuple[str, bool]:
     """(what the load was, whether every run had a quiet machine)."""
-    loads = [r.load for rs in results.values() for r in rs]
-    if any(load is None for load in loads):
-        return "load not measured for some runs: no target counts", False
-    worst = max(loads)  # type: ignore[type-var]
-    if worst <= QUIET:
-        return f"quiet: other work took at most {worst:.2f} cores during any run", True
-    busy = sum(load > QUIET for load in loads)  # type: ignore[operator]
-    return (
-        f"UNDER LOAD: other work took up to {worst:.2f} cores ({busy} of {len(loads)} runs "
-        f"over {QUIET:g}): no target counts",
-        False,
-    )
+    text, quiet = load_summary([r.load for rs in results.values() for r in rs])
+    return (text, True) if quiet else (f"{text}: no target counts", False)
 
 
 def report(task: str, runs: list[Run], results: dict[str, list[RunResult]]) -> tuple[str, list]:
@@ -362,10 +353,7 @@ def main() -> None:
     unknown = [t for t in tasks if t not in THRESHOLDS]
     if not tasks or unknown:
         raise SystemExit(f"--tasks: choose from {sorted(THRESHOLDS)}, got {args.tasks!r}")
-    try:
-        args.seeds = [int(s) for s in args.seeds.split(",") if s.strip()]
-    except ValueError:
-        raise SystemExit(f"--seeds {args.seeds!r}: comma-separated integers") from None
+    args.seeds = parse_seeds(args.seeds)
     if args.dew_threads is None:
         args.dew_threads = args.threads
     if not args.seeds or min(args.threads, args.dew_threads, args.max_steps) < 1 or args.fleet < 0:

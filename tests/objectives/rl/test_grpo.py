@@ -604,13 +604,19 @@ def test_each_knob_of_the_objective_changes_its_loss_as_the_formula_says(knobs: 
     assert abs(float(loss) - float(base)) > 1e-4, (knobs, float(loss), float(base))
 
 
-def test_importance_mask_drops_the_tokens_outside_the_band_from_the_objectives_loss() -> None:
+def _at_current_weights(seed: int) -> tuple[torch.nn.Module, dict, np.ndarray, np.ndarray]:
+    """(model, a loss batch whose proximal log-probs are the model's own, so r = 1, those
+    log-probs [rows, width], each cell's flat index [rows, width])."""
     model = sharp_model("qwen2")
-    batch = loss_batch(model, seed=12)
+    batch = loss_batch(model, seed=seed)
     with torch.no_grad():
         current = GRPOObjective().packed_log_probs(model, batch).numpy()
     batch["proximal_log_probs"] = current.astype(np.float32)
-    cells = np.arange(current.size).reshape(current.shape)
+    return model, batch, current, np.arange(current.size).reshape(current.shape)
+
+
+def test_importance_mask_drops_the_tokens_outside_the_band_from_the_objectives_loss() -> None:
+    model, batch, current, cells = _at_current_weights(seed=12)
     log_w = np.select([cells % 3 == 0, cells % 3 == 1], [1.0, -1.0], 0.3)  # e, 1/e, in band
     batch["behavior_log_probs"] = (current - log_w).astype(np.float32)
     batch["advantages"] = np.where(cells % 4 == 0, -1.0, 0.5).astype(np.float32)
@@ -629,12 +635,7 @@ def test_importance_mask_drops_the_tokens_outside_the_band_from_the_objectives_l
 
 
 def test_importance_sequence_weighs_each_packed_chain_by_its_product() -> None:
-    model = sharp_model("qwen2")
-    batch = loss_batch(model, seed=13)
-    with torch.no_grad():
-        current = GRPOObjective().packed_log_probs(model, batch).numpy()
-    batch["proximal_log_probs"] = current.astype(np.float32)
-    cells = np.arange(current.size).reshape(current.shape)
+    model, batch, current, cells = _at_current_weights(seed=13)
     log_w = np.where(cells % 2 == 0, 0.3, -0.1)
     batch["behavior_log_probs"] = (current - log_w).astype(np.float32)
     batch["advantages"] = np.where(cells % 3 == 0, -1.0, 0.5).astype(np.float32)
