@@ -1,9 +1,10 @@
 """The dew side of bench/vs_trl.py: the demo job, timed step by step.
 
-It builds the demo's job with :func:`dew.demo.run.build_job`, exactly as
-:func:`dew.demo.run.run_demo` does for the demo's tuned single-turn settings
-(``DemoConfig.for_task("single")``): the tiny model, AdamW, the GRPO objective, the
-in-process RolloutServer, the task's source and the RolloutScheduler, then ``fit``.
+It builds the demo's job with :func:`dew.demo.run.build_job` (through the recipe,
+:mod:`dew.recipe`), exactly as :func:`dew.demo.run.run_demo` does for the demo's tuned
+single-turn settings (``DemoConfig.for_task("single")``): the tiny model, AdamW, the
+GRPO objective, the in-process RolloutServer, the task's source and the
+RolloutScheduler, then ``fit``.
 The heavy-tailed tasks (``tail``, ``tail-turns``) are the demo's own, with their tuned
 settings (``DemoConfig.for_task``).
 Left out, because they are not training: the run folder, checkpoints, TensorBoard, the
@@ -63,10 +64,9 @@ class _Enough(Exception):
 def _two_turn(spec: RunSpec) -> Any:
     """The builder of the two-turn task's parts, in the demo registry's shape."""
 
-    def build(config: Any, server: Any, tokenizer: Any) -> Any:
-        from dew.core import SamplingParams
-        from dew.demo.run import TaskParts
+    def build(config: Any, server: Any, tokenizer: Any, needs: Any) -> Any:
         from dew.objectives.rl.sources import EnvironmentSource
+        from dew.recipe import SourceParts
 
         task = make_two_turn(config.tasks, seed=config.seed, tokenizer=tokenizer)
         width = two_turn_max_chain(tokenizer, config.max_tokens)
@@ -76,17 +76,16 @@ def _two_turn(spec: RunSpec) -> Any:
             tokenizer=tokenizer,
             max_turns=TURNS,
             max_context=width,
-            workers=config.batch_size * config.group_size * (config.ahead + 1),
-            sampling=SamplingParams(max_tokens=config.max_tokens, temperature=config.temperature),
+            workers=needs.in_flight,
+            sampling=needs.sampling,
         )
-        return TaskParts(source, width, source.close)
+        return SourceParts(source, width, source.close)
 
     return build
 
 
 def run_dew(spec: RunSpec) -> RunResult:
     from dew.demo.run import build_job
-    from dew.train import fit
 
     config = demo_config(spec)
     rows = config.batch_size * config.group_size
@@ -113,12 +112,7 @@ def run_dew(spec: RunSpec) -> RunResult:
         job = build_job(config, stack, task=task)
         clock.start()
         try:
-            fit(
-                job.model,
-                job.optimizer,
-                job.dataset,
-                job.scheduler,
-                job.objective,
+            job.fit(
                 steps=spec.max_steps,
                 checkpoint_every=None,
                 log=[on_record],

@@ -69,12 +69,13 @@ import transformers
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/_results.py
 import _results
 from _results import command_line, machine, write_section, write_summary_row
+from dew.serving._folders import shared_memory
 from dew.serving.http_engine import HTTPEngine
 from dew.serving.weights import BroadcastGroup, tensor_specs, write_weights
 
 RESULTS = _results.RESULTS
 _PREFIX = "dew serve: listening on "
-_SHM = Path("/dev/shm") if Path("/dev/shm").is_dir() else None
+_SHM = shared_memory()
 
 # Qwen2 shapes landing near the parameter counts asked for (exact counts are printed).
 # name -> (hidden, layers, intermediate, heads (= key/value heads), vocabulary)
@@ -327,11 +328,11 @@ def demo_run(
     sglang-router with policy ``router`` if given; ``batch``: its engines send one
     request per group, ``HTTPEngine(batch_groups=True)``)."""
     from dew.demo.run import DemoConfig, build_job
-    from dew.train import fit, read_records
+    from dew.train import read_records
 
     config = DemoConfig.for_task("single", steps=steps, seed=seed, checkpoint_every=steps)
-    rows = config.batch_size * config.group_size
-    serve_args = ["--max-batch", str(rows * (config.ahead + 1))]
+    in_flight = config.batch_size * config.scheduler_config().in_flight_per_task
+    serve_args = ["--max-batch", str(in_flight)]
     with tempfile.TemporaryDirectory() as run_dir, ExitStack() as stack:
         engine: Any = None  # in-process: the demo's own RolloutServer
         if engines < 0:
@@ -351,12 +352,10 @@ def demo_run(
             )
             engine = stack.enter_context(fleet)  # close() stops its processes
         job = build_job(config, stack, engine=engine)
-        model, optimizer, objective = job.model, job.optimizer, job.objective
-        dataset, scheduler = job.dataset, job.scheduler
         t0 = time.perf_counter()
-        result = fit(
-            model, optimizer, dataset, scheduler, objective, steps=steps, run_dir=run_dir,
-            checkpoint_every=steps, tensorboard=False, freeze_gc=True,
+        result = job.fit(
+            steps=steps, run_dir=run_dir, checkpoint_every=steps, tensorboard=False,
+            freeze_gc=True,
         )  # fmt: skip
         seconds = time.perf_counter() - t0
         records = read_records(run_dir)

@@ -120,7 +120,7 @@ def run_one(spec: RunSpec, kind: str, engines: int, vllm_python: str) -> dict[st
         except Enough:
             pass
         job.scheduler.close()  # its rollouts in flight are cancelled: the engine is idle
-        costs = step_costs(job.server, job.model, rows, config.max_tokens)
+        costs = step_costs(job.engine, job.model, rows, config.max_tokens)
     return {"result": json.loads(result.to_json()), "startup": startup, **costs}
 
 

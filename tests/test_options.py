@@ -23,6 +23,7 @@ from dew.gateway import HarnessSource
 from dew.job.rewards import combine, load_reward
 from dew.objectives.rl import GRPOObjective, RolloutScheduler
 from dew.objectives.rl.sources import EnvironmentSource, PromptSource
+from dew.recipe import Recipe
 from dew.train import fit
 
 TESTS = Path(__file__).parent
@@ -132,6 +133,19 @@ EFFECT_TESTS: dict[Callable[..., Any], dict[str, str]] = {
         "micro_batches": f"{FIT}::test_micro_batches_give_the_whole_batchs_update",
         "pool": "pool/test_pool.py::test_two_processes_shard_the_model_and_match_one_process",
         "max_empty_steps": f"{FIT}::test_steps_that_train_nothing_warn_once_then_stop_the_run",
+    },
+    Recipe: {
+        name: "test_recipe.py::test_each_recipe_option_takes_effect"
+        for name in (
+            "objective",
+            "reference",
+            "weight_decay",
+            "seed",
+            "data_seed",
+            "device",
+            "parallel",
+            "wrap",
+        )
     },
 }
 

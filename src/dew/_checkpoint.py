@@ -35,22 +35,32 @@ import os
 import random
 import re
 import shutil
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 
 __all__ = [
     "Checkpoint",
     "CheckpointError",
+    "Checkpoints",
     "DiskFull",
+    "LocalCheckpoints",
     "checkpoints",
+    "fsync_dir",
+    "fsync_file",
     "latest",
     "load",
     "prune",
+    "resume_path",
+    "rng_json",
     "save",
+    "set_aside_newer",
+    "set_rng_json",
+    "sha256",
     "step_name",
     "step_of",
 ]
@@ -122,7 +132,7 @@ class Checkpoint:
     extra: dict[str, Any]
 
 
-def _fsync_file(path: Path) -> None:
+def fsync_file(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -130,7 +140,7 @@ def _fsync_file(path: Path) -> None:
         os.close(fd)
 
 
-def _fsync_dir(path: Path) -> None:
+def fsync_dir(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
     try:
         os.fsync(fd)
@@ -138,7 +148,7 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def _sha256(path: Path) -> str:
+def sha256(path: Path) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:
         for chunk in iter(lambda: f.read(1 << 20), b""):
@@ -146,7 +156,7 @@ def _sha256(path: Path) -> str:
     return h.hexdigest()
 
 
-def _rng_json() -> dict[str, Any]:
+def rng_json() -> dict[str, Any]:
     version, state, gauss = random.getstate()
     kind, keys, pos, has_gauss, cached = np.random.get_state()
     return {
@@ -155,7 +165,7 @@ def _rng_json() -> dict[str, Any]:
     }
 
 
-def _set_rng_json(rng: Mapping[str, Any]) -> None:
+def set_rng_json(rng: Mapping[str, Any]) -> None:
     version, state, gauss = rng["python"]
     random.setstate((version, tuple(state), gauss))
     kind, keys, pos, has_gauss, cached = rng["numpy"]
@@ -222,7 +232,7 @@ def save(
         state = {
             "updates": updates,
             "position": position,
-            "rng": _rng_json(),
+            "rng": rng_json(),
             "extra": dict(extra or {}),
         }
         (tmp / "state.json").write_text(json.dumps(state))
@@ -231,13 +241,13 @@ def save(
                 f.write(json.dumps(r) + "\n")
         manifest = {}
         for name in _FILES:
-            _fsync_file(tmp / name)
-            manifest[name] = {"bytes": (tmp / name).stat().st_size, "sha256": _sha256(tmp / name)}
+            fsync_file(tmp / name)
+            manifest[name] = {"bytes": (tmp / name).stat().st_size, "sha256": sha256(tmp / name)}
         with open(tmp / MANIFEST, "w") as f:
             json.dump({"files": manifest}, f)
             f.flush()
             os.fsync(f.fileno())
-        _fsync_dir(tmp)
+        fsync_dir(tmp)
         if final.exists():  # a re-save of the same step (e.g. after a resume): replace it
             old = folder / f".tmp-old-{final.name}-{os.getpid()}"
             final.rename(old)
@@ -245,7 +255,7 @@ def save(
             shutil.rmtree(old)
         else:
             tmp.rename(final)
-        _fsync_dir(folder)
+        fsync_dir(folder)
     except BaseException as exc:
         full = is_disk_full(exc, folder)
         shutil.rmtree(tmp, ignore_errors=True)
@@ -305,7 +315,7 @@ def file_problem(path: Path, name: str, entry: Mapping[str, Any]) -> str:
     size = file.stat().st_size
     if size != entry["bytes"]:
         return f"{file}: {size} bytes, the manifest says {entry['bytes']} (truncated?)"
-    if _sha256(file) != entry["sha256"]:
+    if sha256(file) != entry["sha256"]:
         return f"{file}: contents do not match the manifest's SHA-256"
     return ""
 
@@ -339,7 +349,7 @@ def load(path: Path, *, model: Any, optimizer: Any) -> Checkpoint:
     torch.set_rng_state(rng["torch"])
     if "cuda" in rng and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(rng["cuda"])
-    _set_rng_json(state["rng"])
+    set_rng_json(state["rng"])
     return Checkpoint(
         path=path,
         updates=int(state["updates"]),
@@ -361,3 +371,97 @@ def latest(folder: Path) -> Path | None:
             continue
         return path
     return None
+
+
+class Checkpoints(Protocol):
+    """How a trainer saves, finds and restores its checkpoints: one process's own
+    (:class:`LocalCheckpoints`) or a pool's shards (``dew.pool.ShardedCheckpoints``).
+    ``fit`` picks one when it starts and goes through it alone."""
+
+    sharded: bool  # each checkpoint is written by several processes
+
+    def latest(self, folder: Path) -> Path | None: ...
+
+    def load(self, path: Path, *, model: Any, optimizer: Any) -> Checkpoint: ...
+
+    def save(self, folder: Path, **state: Any) -> Path:
+        """Write checkpoint ``step-<updates>``; ``state`` as :func:`save` takes it (model,
+        optimizer, updates, position, records, extra, keep)."""
+        ...
+
+
+class LocalCheckpoints:
+    """The checkpoints of a single process: this module's :func:`save`, :func:`load`
+    and :func:`latest`."""
+
+    sharded = False
+
+    def latest(self, folder: Path) -> Path | None:
+        return latest(folder)
+
+    def load(self, path: Path, *, model: Any, optimizer: Any) -> Checkpoint:
+        return load(path, model=model, optimizer=optimizer)
+
+    def save(self, folder: Path, **state: Any) -> Path:
+        return save(folder, **state)
+
+
+def resume_path(
+    run_dir: Path | None, resume: bool | str | os.PathLike[str], store: Checkpoints
+) -> Path | None:
+    """Which checkpoint a trainer restores: None for a fresh start. ``resume`` is False,
+    True (the newest valid one of ``run_dir``, or None when nothing was saved yet) or a
+    run folder or checkpoint folder; CheckpointError when it names nothing valid."""
+    if resume is False:
+        return None
+    if resume is True:
+        if run_dir is None:
+            raise ValueError("resume=True needs run_dir (where the checkpoints are)")
+        found = store.latest(run_dir / "checkpoints")
+        if found is None and checkpoints(run_dir / "checkpoints"):
+            raise CheckpointError(_nothing_valid(run_dir / "checkpoints", store.sharded))
+        return found  # None: nothing saved yet, start fresh
+    path = Path(resume)
+    if not path.exists():
+        raise CheckpointError(f"resume={str(path)!r}: no such run or checkpoint folder")
+    if (path / "checkpoints").is_dir():  # a run folder
+        found = store.latest(path / "checkpoints")
+        if found is None:
+            raise CheckpointError(_nothing_valid(path / "checkpoints", store.sharded))
+        return found
+    if not (path / MANIFEST).exists() and step_of(path) is None:
+        raise CheckpointError(
+            f"resume={str(path)!r}: holds no checkpoints/ folder and is not a checkpoint; "
+            "nothing to resume (start a new run without resume to begin again)"
+        )
+    return path  # a checkpoint folder: verified (strictly) by load
+
+
+def _nothing_valid(folder: Path, sharded: bool) -> str:
+    """Why a resume from ``folder`` is refused: each checkpoint and what is wrong with it
+    (a pool's sharded ones: their names; every process logged why)."""
+    found = checkpoints(folder)
+    if not found:
+        return f"{folder}: no checkpoint to resume (the folder is empty)"
+    reasons = []
+    for path in found:
+        if sharded:
+            reasons.append(f"{path.name} (the log says why)")
+            continue
+        try:
+            verify(path)
+        except CheckpointError as exc:
+            reasons.append(str(exc))
+    return (
+        f"{folder}: no valid checkpoint to resume; refused: " + "; ".join(reasons) + " "
+        "(nothing was changed; start a new run to begin again)"
+    )
+
+
+def set_aside_newer(folder: Path, updates: int) -> None:
+    """Rename the checkpoints of ``folder`` newer than ``updates`` so pruning never keeps
+    them (a resume from an older checkpoint of the same run)."""
+    for path in checkpoints(folder):
+        step = step_of(path)
+        if step is not None and step > updates:
+            path.rename(path.with_name(f"refused-{path.name}-{int(time.time())}"))

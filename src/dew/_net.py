@@ -1,13 +1,24 @@
-"""Binding a listening socket, shared by the HTTP servers dew starts (``dew serve``, the
-recording gateway). Imports nothing of dew."""
+"""What the HTTP servers dew starts (``dew serve``, the recording gateway) share: binding
+a listening socket, uvicorn's settings and server. Imports nothing of dew; uvicorn loads
+only inside the functions that need it, so importing this module stays cheap.
+"""
 
 from __future__ import annotations
 
 import ipaddress
 import socket
+import threading
+from collections.abc import Callable
 from typing import Any
 
-__all__ = ["API_KEY_ENV", "bind", "http_with_read_timeout", "is_loopback"]
+__all__ = [
+    "API_KEY_ENV",
+    "bind",
+    "http_with_read_timeout",
+    "is_loopback",
+    "uvicorn_config",
+    "uvicorn_server",
+]
 
 API_KEY_ENV = "DEW_API_KEY"  # where servers and clients find the API key when not given
 
@@ -50,14 +61,15 @@ _TOO_SLOW_HEADERS = [
 def http_with_read_timeout(seconds: float) -> type:
     """uvicorn's httptools protocol where each request must arrive whole within ``seconds``.
 
-    httptools parses in C; uvicorn's h11 protocol, pure Python, cost a third of a
-    gateway call's time on the event loop. uvicorn bounds only the idle time between
-    two requests; a client that connects and sends nothing, or trickles its headers or
-    body a byte at a time, would hold its connection for good. Here a deadline starts
-    when the connection opens and with the first bytes of each later request, and ends
-    once the request is complete (the handler's own time is not bounded); a client that
-    misses it gets a 408 and the connection closes. Invariant: at most one deadline is
-    armed per connection, and it is cancelled when the connection is lost.
+    httptools parses in C; uvicorn's h11 protocol, pure Python, was a large share of a
+    gateway call's time on the event loop (bench/RESULTS.md, "gateway: profile").
+    uvicorn bounds only the idle time between two requests; a client that connects and
+    sends nothing, or trickles its headers or body a byte at a time, would hold its
+    connection for good. Here a deadline starts when the connection opens and with the
+    first bytes of each later request, and ends once the request is complete (the
+    handler's own time is not bounded); a client that misses it gets a 408 and the
+    connection closes. Invariant: at most one deadline is armed per connection, and it
+    is cancelled when the connection is lost.
     """
     from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
@@ -119,3 +131,68 @@ def http_with_read_timeout(seconds: float) -> type:
             self.transport.close()
 
     return ReadDeadlineHttp
+
+
+def uvicorn_config(
+    app: Any,
+    *,
+    read_timeout: float,
+    max_connections: int,
+    graceful_shutdown: float,
+    keep_alive: float | None = None,
+) -> Any:
+    """The ``uvicorn.Config`` of one of dew's servers, serving ``app`` (an ASGI app with
+    no lifespan and no websockets) on a socket the caller binds.
+
+    A slow client (headers or body trickled) gets a 408 after ``read_timeout`` seconds
+    rather than holding its connection (:func:`http_with_read_timeout`); past
+    ``max_connections`` open connections a request gets a 503. ``graceful_shutdown``:
+    seconds the requests under way get once the server stops. ``keep_alive``: seconds
+    an idle connection stays open (``None``: uvicorn's default, 5 s).
+    """
+    import uvicorn
+
+    extra: dict[str, Any] = {} if keep_alive is None else {"timeout_keep_alive": keep_alive}
+    return uvicorn.Config(
+        app,
+        log_config=None,
+        access_log=False,
+        lifespan="off",
+        http=http_with_read_timeout(read_timeout),
+        limit_concurrency=max_connections + 1,  # uvicorn counts the new one
+        ws="none",
+        loop="asyncio",
+        timeout_graceful_shutdown=graceful_shutdown,
+        **extra,
+    )
+
+
+def uvicorn_server(
+    config: Any,
+    *,
+    ready: threading.Event | None = None,
+    on_listening: Callable[[], None] | None = None,
+    on_shutdown: Callable[[], None] | None = None,
+) -> Any:
+    """A ``uvicorn.Server`` for ``config``: ``on_listening`` runs once it listens;
+    ``ready`` is set once its startup is over, listening or failed (what a thread
+    waiting for it waits on); ``on_shutdown`` runs when it begins to shut down, before
+    uvicorn waits for the requests under way."""
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+            try:
+                await super().startup(sockets)
+                if self.started and on_listening is not None:
+                    on_listening()
+            finally:
+                if ready is not None:
+                    ready.set()
+
+        async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+            if on_shutdown is not None:
+                on_shutdown()
+            await super().shutdown(sockets)
+
+    return Server(config)

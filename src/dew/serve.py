@@ -17,18 +17,22 @@ from __future__ import annotations
 import argparse
 import os
 import signal
-import socket
 import sys
 from collections.abc import Sequence
 from typing import Any
 
 from dew._devices import default_device, device_problem
-from dew._net import API_KEY_ENV, bind, http_with_read_timeout, is_loopback
+from dew._net import API_KEY_ENV, bind, is_loopback, uvicorn_config, uvicorn_server
 
 __all__ = ["main"]
 
 _DTYPES = ("float32", "bfloat16", "float16")
-_KEEPALIVE = 120  # seconds an idle connection stays open (uvicorn's default is 5)
+# Seconds an idle connection stays open (uvicorn's default is 5): well past the clients'
+# keep-alive (HTTPEngine lets an idle connection go before uvicorn's default would), since
+# a client must never reuse a connection the server has just closed, which would fail a
+# /generate it cannot safely resend.
+_KEEPALIVE = 120
+_GRACEFUL_SHUTDOWN = 10  # seconds the requests under way get once the server stops
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -61,7 +65,7 @@ def _parser() -> argparse.ArgumentParser:
         type=float,
         default=30.0,
         help="seconds joining a trainer's broadcast group, and each receive in it, may wait "
-        "(default 30); SIGTERM stops the server within 10 s plus this",
+        f"(default 30); SIGTERM stops the server within {_GRACEFUL_SHUTDOWN} s plus this",
     )
     p.add_argument(
         "--read-timeout",
@@ -145,8 +149,6 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _serve(args: argparse.Namespace, api_key: str | None, stopping: list[int]) -> int:
-    import uvicorn
-
     from dew.serving.http_server import build_app
     from dew.serving.server import RolloutServer
 
@@ -193,34 +195,20 @@ def _serve(args: argparse.Namespace, api_key: str | None, stopping: list[int]) -
             host = f"[{args.host}]" if ":" in args.host else args.host
             url = f"http://{host}:{sock.getsockname()[1]}"
 
-            class _Server(uvicorn.Server):
-                async def startup(self, sockets: list[socket.socket] | None = None) -> None:
-                    await super().startup(sockets)
-                    if self.started:
-                        print(f"dew serve: listening on {url}", flush=True)
-
-                async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
-                    state.abort_all()  # each in-flight request answers the abort shape
-                    await super().shutdown(sockets)
-
-            config = uvicorn.Config(
+            config = uvicorn_config(
                 app,
-                log_config=None,
-                access_log=False,
-                lifespan="off",
-                # A slow client (headers or body trickled) gets a 408 rather than holding
-                # its connection; past max_connections, a 503.
-                http=http_with_read_timeout(args.read_timeout),
-                limit_concurrency=args.max_connections + 1,  # uvicorn counts the new one
-                ws="none",
-                loop="asyncio",
-                timeout_graceful_shutdown=10,
-                # Well past the clients' keep-alive (HTTPEngine lets an idle connection go
-                # after _KEEPALIVE s): a client must never reuse a connection the server
-                # has just closed, which would fail a /generate it cannot safely resend.
-                timeout_keep_alive=_KEEPALIVE,
+                read_timeout=args.read_timeout,
+                max_connections=args.max_connections,
+                graceful_shutdown=_GRACEFUL_SHUTDOWN,
+                keep_alive=_KEEPALIVE,
             )
-            _Server(config).run(sockets=[sock])
+            server = uvicorn_server(
+                config,
+                on_listening=lambda: print(f"dew serve: listening on {url}", flush=True),
+                # each in-flight request answers the abort shape
+                on_shutdown=state.abort_all,
+            )
+            server.run(sockets=[sock])
         finally:
             if state is not None:
                 state.close()  # a join under way ends within --group-timeout

@@ -99,15 +99,18 @@ def test_harness_processes_run_the_agent_demo_in_processes_of_its_own() -> None:
 
     from dew.core import RolloutKey, Status, Task
     from dew.demo.model import make_model, make_tokenizer
-    from dew.demo.run import TASKS, DemoConfig
+    from dew.demo.run import TASKS, DemoConfig, demo_recipe
+    from dew.recipe import Needs
     from dew.serving import RolloutServer
 
     for bad in (-1, True, 1.5):
         with pytest.raises(ValueError, match=r"harness_processes=.* must be an int >= 0"):
             DemoConfig(harness_processes=bad)  # type: ignore[arg-type]
     config = DemoConfig.for_task("agent", harness_processes=2)
+    recipe = demo_recipe(config)
     with RolloutServer(make_model(max_positions=config.positions), max_batch=8) as server:
-        parts = TASKS["agent"](config, server, make_tokenizer())
+        needs = Needs(None, 0, 8, recipe.sampling, 0)  # the agent source reads the last two
+        parts = TASKS["agent"](config, server, make_tokenizer(), needs)
         try:
             pids = parts.source._procs.pids()  # type: ignore[attr-defined]
             assert len(pids) == 2 and os.getpid() not in pids
@@ -163,7 +166,7 @@ def test_the_heavy_tailed_tasks_build_a_model_their_chains_fit() -> None:
             assert job.model.config.max_position_embeddings == config.positions == 512
             # the engine serves the whole chain (EnvironmentSource refuses a context
             # wider than the engine's at construction)
-            assert job.server.max_len == config.positions
+            assert job.engine.max_len == config.positions
             assert "lognormal" in job.describe
             # stale rollouts keep most of their correction (the task's cap, not 2)
             assert job.objective.importance_cap == config.importance_cap == 10.0

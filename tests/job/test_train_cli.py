@@ -550,7 +550,7 @@ def _gone(pids: Iterable[int], within: float) -> bool:
 def test_chaos_a_trainer_killed_takes_its_engines_and_weights_with_it(
     tmp_path: Path, model_dir: Path, sig: signal.Signals
 ) -> None:
-    from dew.serving.weights import private_folder, release_folder, weights_root
+    from dew.serving._folders import private_folder, release_folder, weights_root
 
     path = config(tmp_path, model_dir)
     before = set(weights_root().iterdir())

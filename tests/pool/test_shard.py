@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from dew._step import clip_grad_norm as _clip_grad_norm
 from dew.demo.model import make_model
 from dew.pool import init_pool
 from dew.pool._shard import _check_tensor_split, _decoder_layers
-from dew.train import _clip_grad_norm
 
 
 @pytest.mark.parametrize("max_norm", [1e-3, 1e3])

@@ -11,11 +11,11 @@ from pathlib import Path
 
 import pytest
 
-from dew.serving.weights import private_folder, release_folder, weights_root
+from dew.serving._folders import private_folder, release_folder, weights_root
 
 WRITER = """
 import sys, time
-from dew.serving.weights import private_folder
+from dew.serving._folders import private_folder
 print(private_folder("test-"), flush=True)
 time.sleep(600)
 """
@@ -98,7 +98,7 @@ def test_a_watchdog_ends_the_server_once_its_launcher_is_killed() -> None:
 @pytest.mark.timeout(60)
 def test_a_script_that_exits_without_closing_leaves_no_folder() -> None:
     """An HTTPEngine (or fleet) the script never closed: its folder goes at exit."""
-    script = "from dew.serving.weights import private_folder\nprint(private_folder('test-'))\n"
+    script = "from dew.serving._folders import private_folder\nprint(private_folder('test-'))\n"
     done = subprocess.run(
         [sys.executable, "-c", script], capture_output=True, text=True, timeout=30, check=True
     )

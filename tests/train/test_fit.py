@@ -16,7 +16,14 @@ from dew import _checkpoint
 from dew.data import Batch, Dataset
 from dew.demo.model import make_model
 from dew.objectives.rl.grpo import GRPOObjective
-from dew.train import CheckpointError, TrainingStalled, fit, latest_checkpoint, read_records
+from dew.train import (
+    CheckpointError,
+    PlainRollout,
+    TrainingStalled,
+    fit,
+    latest_checkpoint,
+    read_records,
+)
 
 WIDTH = 12
 
@@ -158,10 +165,11 @@ def test_a_failed_write_leaves_the_previous_checkpoint_whole(tmp_path: Path) -> 
     assert not list(folder.glob(".tmp-*"))
 
 
-class AheadRollout:
+class AheadRollout(PlainRollout):
     """A rollout with ``ahead`` and ``tasks``: records what was read before each call."""
 
     def __init__(self, ahead: int) -> None:
+        super().__init__()
         self.ahead = ahead
         self.read: list[int] = []
         self.seen_at_call: list[int] = []
@@ -274,10 +282,11 @@ def test_fit_leaves_the_collector_alone_by_default(tmp_path: Path) -> None:
         run(None, 1, freeze_gc="yes")
 
 
-class HistoryRollout:
+class HistoryRollout(PlainRollout):
     """A plain rollout that keeps scheduler records, as the scheduler does."""
 
     def __init__(self) -> None:
+        super().__init__()
         from dew.objectives.rl.scheduler import SchedulerRecord
 
         self.records: list[SchedulerRecord] = []
@@ -288,9 +297,10 @@ class HistoryRollout:
     def history(self) -> tuple[Any, ...]:
         return tuple(self.records)
 
-    def restore_history(self, records: Any) -> None:
-        self.restored.append(list(records))
-        self.records[:] = records
+    def restore(self, records: Any) -> None:  # the scheduler's records within fit's
+        restored = [self.make(**r["scheduler"]) for r in records if "scheduler" in r]
+        self.restored.append(restored)
+        self.records[:] = restored
 
     def __call__(self, model: Any, batch: Batch, *, updates: int) -> Batch:
         self.records.append(self.make(updates, updates, 0, 1, {"stale": updates}, 0, 0, 0, 0.0, {}))
@@ -350,7 +360,7 @@ def parts_of() -> tuple[Any, Any]:
 def test_micro_batches_sum_to_the_whole_batchs_gradient(split: int) -> None:
     # Compared before the optimizer: Adam divides by the gradient's scale, so weights
     # after a step would not show a uniform scale error in the parts.
-    from dew.train import _backward
+    from dew._step import backward as _backward
 
     model, _ = parts_of()
     packed = rollout(model, dataset().batch(0), updates=0)

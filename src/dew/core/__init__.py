@@ -4,15 +4,18 @@
   :class:`Status`;
 * protocols: :class:`Session`, :class:`SessionSource` (where rollouts come from),
   :class:`Engine` (where completions come from), :class:`Publisher` (where weights go);
-* :class:`SamplingParams`, validated once; :class:`Aborted`, how an engine reports a
+* :class:`SamplingParams`, validated once; :func:`scored_temperature`, the temperature
+  a completion's log-probs are reported under; :class:`Aborted`, how an engine reports a
   stopped request;
 * :class:`ThreadedSource`, the base for sources written as blocking Python, and the
-  reward parsing every source applies (:func:`parse_reward`).
+  reward parsing every source applies (:func:`parse_reward`);
+* the argument checks every layer shares: :func:`as_int`, :func:`is_real`.
 
 Serving (engines), sources and the gateway build on this package and never on each
 other (``tests/test_layers.py`` checks the import graph).
 """
 
+from dew.core._checks import as_int, is_real
 from dew.core.engine import (
     MIN_TEMPERATURE,
     Aborted,
@@ -21,6 +24,7 @@ from dew.core.engine import (
     Publisher,
     SamplingParams,
     Variables,
+    scored_temperature,
 )
 from dew.core.outcome import error_text, parse_reward
 from dew.core.threaded import ThreadedSession, ThreadedSource
@@ -52,7 +56,10 @@ __all__ = [
     "ThreadedSession",
     "ThreadedSource",
     "Variables",
+    "as_int",
     "cancelled_rollout",
     "error_text",
+    "is_real",
     "parse_reward",
+    "scored_temperature",
 ]

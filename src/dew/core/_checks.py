@@ -8,15 +8,19 @@ import operator
 __all__ = ["as_int", "is_real"]
 
 
-def as_int(value: object, name: str) -> int:
+def as_int(value: object, name: str, *, minimum: int | None = None) -> int:
     """``value`` as an int (Python or numpy integer); ``ValueError`` naming ``name`` for
-    anything else, bools included."""
+    anything else, bools included, and for an int below ``minimum`` when one is given."""
+    want = "an int" if minimum is None else f"an int >= {minimum}"
     if isinstance(value, bool):
-        raise ValueError(f"{name} must be an int, got {value!r}")
+        raise ValueError(f"{name} must be {want}, got {value!r}")
     try:
-        return operator.index(value)  # type: ignore[arg-type]
+        number = operator.index(value)  # type: ignore[arg-type]
     except TypeError:
-        raise ValueError(f"{name} must be an int, got {value!r}") from None
+        raise ValueError(f"{name} must be {want}, got {value!r}") from None
+    if minimum is not None and number < minimum:
+        raise ValueError(f"{name} must be {want}, got {value!r}")
+    return number
 
 
 def is_real(value: object) -> bool:

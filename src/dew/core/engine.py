@@ -50,6 +50,7 @@ __all__ = [
     "Publisher",
     "SamplingParams",
     "Variables",
+    "scored_temperature",
 ]
 
 # The lowest sampling temperature but greedy's 0. Far below it, scaled logits overflow
@@ -114,6 +115,18 @@ class SamplingParams:
         object.__setattr__(self, "top_k", top_k)
         object.__setattr__(self, "top_p", None if top_p is None else float(top_p))
         object.__setattr__(self, "stop_ids", stop_ids)
+
+
+def scored_temperature(temperature: float) -> float:
+    """The temperature a completion's log-probs are reported under, for a request sampled
+    at ``temperature``: itself, or 1.0 for greedy decoding (0).
+
+    Greedy decoding samples from no tempered distribution (dividing the logits by 0
+    defines none): its tokens come from the point mass on the argmax, so each token's
+    log-prob is 0.0 and the call is reported under temperature 1.0, the raw logits.
+    ``Call.temperature`` must be positive, and every engine reports greedy calls so.
+    """
+    return temperature or 1.0
 
 
 class Aborted(Exception):

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any, NamedTuple, Protocol, runtime_checkable
 
-import numpy as np
+from dew.core._checks import as_int
 
 __all__ = [
     "Call",
@@ -216,9 +216,10 @@ def _check_call(call: Call, key: RolloutKey, i: int) -> None:
         raise _bad_call(
             key, i, f".log_probs has {len(call.log_probs)} entries but completion has {n} tokens"
         )
-    version = call.version
-    if isinstance(version, bool) or not isinstance(version, (int, np.integer)):
-        raise _bad_call(key, i, f".version must be an int, got {version!r}")
+    try:
+        version = as_int(call.version, ".version")
+    except ValueError as e:
+        raise _bad_call(key, i, str(e)) from None
     if version < 0:
         raise _bad_call(key, i, f".version must be >= 0, got {version}")
     if not (call.temperature > 0 and math.isfinite(call.temperature)):

@@ -21,8 +21,8 @@ Wiring it into the trainer (``dew demo --task agent``)::
 
     demo = build_agent_source(server, tokenizer, tasks=config.tasks, seed=config.seed,
                               max_tokens=config.max_tokens, temperature=config.temperature,
-                              workers=rows * (config.ahead + 1))
-    TaskParts(demo.source, demo.max_chain, demo.close)
+                              workers=needs.in_flight)
+    SourceParts(demo.source, demo.max_chain, demo.close)
 
 The scheduler's records then carry the gateway's merge ratio (1.0: every episode
 packs into one chain) among their session metrics.

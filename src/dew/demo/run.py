@@ -9,7 +9,10 @@ in flight ahead of the trainer, and :func:`dew.train.fit` taking one AdamW updat
 per batch. A progress bar shows step, reward, lag and wait; the run folder gets
 ``config.json``, ``records.jsonl``, the checkpoints and ``plot.png``.
 
-Tasks come from a registry (name -> builder), so adding one is one entry.
+The job is assembled by :mod:`dew.recipe` from :func:`demo_recipe`, as ``dew train``'s
+is; this module keeps the demo's own settings (:class:`DemoConfig`, the tuned
+``TASK_DEFAULTS``), its model and engine choice, and the run folder. Tasks come from a
+registry (:data:`dew.demo.sources.TASKS`: name -> builder), so adding one is one entry.
 ``--resume RUN_DIR`` reads the run's ``config.json`` back and continues it.
 
 Threads: the server's engine thread, the scheduler's driver thread and the source's
@@ -23,34 +26,29 @@ import dataclasses
 import json
 import os
 import time
-from collections.abc import Callable
 from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from dew._checkpoint import checkpoints, step_of
 from dew._progress import progress_bar
+from dew.core import as_int
+from dew.demo.sources import TASKS, TaskBuilder, TaskParts
 from dew.demo.tail import Workload
 from dew.objectives.rl.config import SchedulerConfig
+from dew.recipe import Job, Needs, Recipe, RecipeError, assemble, join_pool
 from dew.train import FitResult, read_records
-
-if TYPE_CHECKING:
-    import torch
-
-    from dew.data import Dataset
-    from dew.objectives.rl.grpo import GRPOObjective
-    from dew.objectives.rl.scheduler import RolloutScheduler
-    from dew.serving import RolloutServer
 
 __all__ = [
     "TASKS",
     "TASK_DEFAULTS",
     "DemoConfig",
     "DemoError",
-    "DemoJob",
     "DemoResult",
+    "TaskParts",
     "build_job",
+    "demo_recipe",
     "run_demo",
 ]
 
@@ -74,7 +72,7 @@ class DemoConfig:
     arch: str = "qwen2"
     lr: float = 3e-3
     group_size: int = 8
-    batch_size: int = 8
+    batch_size: int = 8  # tasks per step (under torchrun: split over the data axis)
     max_tokens: int = 8
     temperature: float = 1.0
     # The scheduler's own defaults unless a task says otherwise (written once, there).
@@ -92,8 +90,9 @@ class DemoConfig:
     proximal: str = "forward"
     # What a weight push does to the in-process engine's running requests: "keep" their
     # keys/values (and the finished turns' kept ones) rather than recompute them under the
-    # new weights; their behavior log-probs stay exact (RolloutServer's docstring). On the
-    # multi-turn tail task, 60 steps: 41.8-50.4 s against 52.7-54.5 s recomputing.
+    # new weights; their behavior log-probs stay exact (RolloutServer's docstring). It is
+    # the faster of the two on the multi-turn tail task (bench/RESULTS.md, "Figures moved
+    # out of code comments").
     on_load: str = "keep"
     digits: tuple[int, int] = (2, 4)  # single task: shortest and longest digit string
     stop_weight: float = 1.0  # single task: credit for stopping, in digit positions
@@ -104,30 +103,22 @@ class DemoConfig:
     harness_processes: int = 0
     tensor: int = 1  # under torchrun: processes per tensor-parallel group (the rest is data)
     # Seconds a rollout attempt may run before it is cancelled and retried (the library's
-    # default, None, would let a hung source block the trainer forever).
+    # default, None, would let a hung source block the trainer forever). Tighter than
+    # dew train's (dew.job.config.JOB_ROLLOUT_TIMEOUT): every demo rollout takes well
+    # under a second, so a hang shows sooner; a user's model and verifier may need minutes.
     timeout: float | None = 120.0
 
     def __post_init__(self) -> None:
         if self.task not in TASKS:
             raise ValueError(f"task={self.task!r} is not one of {sorted(TASKS)}")
-        for name in ("steps", "group_size", "batch_size", "max_tokens", "checkpoint_every"):
+        whole = ("steps", "group_size", "batch_size", "max_tokens", "checkpoint_every", "tensor")
+        for name, least in [(n, 1) for n in whole] + [("engines", 0), ("harness_processes", 0)]:
             value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name}={value!r} must be an int >= 1")
+            as_int(value, f"{name}={value!r}", minimum=least)
         if not self.lr > 0:
             raise ValueError(f"lr={self.lr!r} must be > 0")
         if self.tasks < self.batch_size:
             raise ValueError(f"tasks={self.tasks} must be >= batch_size={self.batch_size}")
-        if isinstance(self.engines, bool) or not isinstance(self.engines, int) or self.engines < 0:
-            raise ValueError(f"engines={self.engines!r} must be an int >= 0")
-        if (
-            isinstance(self.harness_processes, bool)
-            or not isinstance(self.harness_processes, int)
-            or self.harness_processes < 0
-        ):
-            raise ValueError(f"harness_processes={self.harness_processes!r} must be an int >= 0")
-        if isinstance(self.tensor, bool) or not isinstance(self.tensor, int) or self.tensor < 1:
-            raise ValueError(f"tensor={self.tensor!r} must be an int >= 1")
         from dew.demo.model import ARCHS, SIZES
 
         if self.size not in SIZES:
@@ -194,137 +185,6 @@ class DemoResult:
         )
 
 
-@dataclass
-class TaskParts:
-    """What a task builder hands back: the source and how wide its chains get."""
-
-    source: Any
-    max_chain: int  # longest prompt + completion tokens of one chain
-    close: Callable[[], None] = lambda: None
-    describe: str = ""  # the task's parameters, printed beside its results
-
-
-def _workers(config: DemoConfig) -> int:
-    """Enough source threads for every rollout of the batches in flight to run at once."""
-    return config.batch_size * config.group_size * (config.ahead + 1)
-
-
-# PromptSource submits without a thread per rollout; its pool only runs verifiers. Two
-# threads keep up with the demo's verifier, and a large pool costs time, as each burst
-# of finished calls wakes many threads (compare with bench/vs_trl.py).
-_VERIFIERS = 2
-
-
-def _single(config: DemoConfig, server: Any, tokenizer: Any) -> TaskParts:
-    from dew.core import SamplingParams
-    from dew.demo import tasks
-    from dew.objectives.rl.sources import PromptSource
-
-    low, high = config.digits
-    task = tasks.make_task(
-        config.tasks,
-        seed=config.seed,
-        tokenizer=tokenizer,
-        min_digits=low,
-        max_digits=high,
-        stop_weight=config.stop_weight,
-    )
-    source = PromptSource(
-        server,
-        task.prompts,
-        task.verifier,
-        workers=_VERIFIERS,
-        sampling=SamplingParams(
-            max_tokens=config.max_tokens, temperature=config.temperature, stop_ids=[task.eos]
-        ),
-    )
-    return TaskParts(source, task.max_prompt + config.max_tokens, source.close)
-
-
-def _guess(config: DemoConfig, server: Any, tokenizer: Any) -> TaskParts:
-    from dew.core import SamplingParams
-    from dew.demo.guess import make_env
-    from dew.objectives.rl.sources import EnvironmentSource
-
-    turns, context = 4, 160
-    source = EnvironmentSource(
-        server,
-        make_env(low=0, high=9, seed=config.seed),
-        tokenizer=tokenizer,
-        max_turns=turns,
-        max_context=context,
-        workers=_workers(config),
-        sampling=SamplingParams(max_tokens=config.max_tokens, temperature=config.temperature),
-    )
-    return TaskParts(source, context, source.close)
-
-
-def _agent(config: DemoConfig, server: Any, tokenizer: Any) -> TaskParts:
-    from dew.demo.agent import build_agent_source
-
-    demo = build_agent_source(
-        server,
-        tokenizer,
-        tasks=config.tasks,
-        seed=config.seed,
-        max_tokens=config.max_tokens,
-        temperature=config.temperature,
-        workers=_workers(config),
-        processes=config.harness_processes,
-    )
-    return TaskParts(demo.source, demo.max_chain, demo.close)
-
-
-def _tail(config: DemoConfig, server: Any, tokenizer: Any) -> TaskParts:
-    from dew.core import SamplingParams
-    from dew.demo.tail import make_tail_task
-    from dew.objectives.rl.sources import PromptSource
-
-    task = make_tail_task(config.tasks, seed=config.seed, tokenizer=tokenizer)
-    # The verifier sleeps its latency in a worker: one per rollout in flight, so no
-    # rollout waits for another's verification.
-    source = PromptSource(
-        server,
-        task.prompts,
-        task.verifier,
-        workers=_workers(config),
-        sampling=SamplingParams(
-            max_tokens=config.max_tokens, temperature=config.temperature, stop_ids=[task.eos]
-        ),
-    )
-    return TaskParts(
-        source, task.max_prompt + config.max_tokens, source.close, task.workload.describe()
-    )
-
-
-def _tail_turns(config: DemoConfig, server: Any, tokenizer: Any) -> TaskParts:
-    from dew.core import SamplingParams
-    from dew.demo.tail import make_tail_task, turns_max_chain
-    from dew.objectives.rl.sources import EnvironmentSource
-
-    task = make_tail_task(config.tasks, seed=config.seed, tokenizer=tokenizer)
-    width = turns_max_chain(task, tokenizer, config.max_tokens)
-    source = EnvironmentSource(
-        server,
-        task.env,
-        tokenizer=tokenizer,
-        max_turns=task.workload.max_turns,
-        max_context=width,
-        workers=_workers(config),
-        sampling=SamplingParams(max_tokens=config.max_tokens, temperature=config.temperature),
-    )
-    return TaskParts(source, width, source.close, task.workload.describe())
-
-
-# task name -> builder(config, server, tokenizer) -> TaskParts
-TASKS: dict[str, Callable[[DemoConfig, Any, Any], TaskParts]] = {
-    "single": _single,
-    "guess": _guess,
-    "agent": _agent,
-    "tail": _tail,
-    "tail-turns": _tail_turns,
-}
-
 # Positions the demo model is built with; the heavy-tailed tasks' chains are longer.
 _POSITIONS = 256
 _TASK_POSITIONS = {"tail": 512, "tail-turns": 512}
@@ -357,8 +217,8 @@ TASK_DEFAULTS: dict[str, dict[str, Any]] = {
     },
     "guess": {},
     # The agent runs in a harness process of its own: its openai client's CPU then
-    # leaves this process's interpreter lock to the engine, the gateway and the trainer
-    # (0.29-0.30 s/step against 0.38-0.39 on the source's threads, 8 x 8, 2 cores).
+    # leaves this process's interpreter lock to the engine, the gateway and the trainer,
+    # and steps are faster for it (bench/RESULTS.md, "Figures moved out of code comments").
     "agent": {"steps": 60, "max_tokens": 4, "harness_processes": 1},
     # The heavy-tailed workload (dew.demo.tail): completions may run to the workload's
     # length cap (per turn on the multi-turn variant).
@@ -388,20 +248,6 @@ TASK_DEFAULTS: dict[str, dict[str, Any]] = {
 }
 
 
-def _join_pool(stack: ExitStack, tensor: int) -> Any:
-    """The torchrun job's pool (``tensor`` processes per tensor group) when this process
-    is one of several, else None."""
-    if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
-        if tensor > 1:
-            raise DemoError(f"tensor={tensor} needs that many processes: start it with torchrun")
-        return None
-    from dew.pool import init_pool
-
-    pool = init_pool("gloo", tensor=tensor)
-    stack.callback(pool.close)
-    return pool
-
-
 def _share_cores(torch: Any) -> None:
     """Give torch half the cores: the engine thread and the trainer compute at once.
 
@@ -420,6 +266,16 @@ def _default_run_dir() -> Path:
     return Path("runs") / time.strftime("demo-%Y%m%d-%H%M%S")
 
 
+def _write_config(run: Path, config: DemoConfig) -> None:
+    if run.exists() and not run.is_dir():
+        raise DemoError(f"{run} is a file, not a run folder")
+    try:
+        run.mkdir(parents=True, exist_ok=True)
+        (run / "config.json").write_text(json.dumps(dataclasses.asdict(config), indent=2))
+    except OSError as exc:
+        raise DemoError(f"{run} cannot be written: {exc}") from None
+
+
 def _load_config(run_dir: Path) -> DemoConfig:
     path = run_dir / "config.json"
     if not path.is_file():
@@ -432,67 +288,47 @@ def _load_config(run_dir: Path) -> DemoConfig:
         raise DemoError(f"{path}: not a readable demo config ({exc})") from None
 
 
-@dataclass(frozen=True)
-class DemoJob:
-    """What the demo trains: the parts ``fit`` takes, and the engine behind them."""
-
-    model: torch.nn.Module
-    optimizer: torch.optim.Optimizer
-    objective: GRPOObjective
-    dataset: Dataset
-    server: RolloutServer
-    scheduler: RolloutScheduler
-    describe: str = ""  # the task's parameters (TaskParts.describe)
-
-
-def build_job(
-    config: DemoConfig,
-    stack: ExitStack,
-    *,
-    pool: Any = None,
-    task: Callable[[DemoConfig, Any, Any], TaskParts] | None = None,
-    engine: Any = None,
-) -> DemoJob:
-    """Build the model, optimizer, objective, task stream, engine, source and scheduler
-    of ``config``; ``stack`` closes the server, the source and the scheduler in reverse
-    order. ``pool`` (a torchrun job's) gives this process its share of every batch and
-    lays the model out on its mesh (:func:`dew.pool.shard_model`).
-    ``task`` replaces the registry's builder for ``config.task`` (bench/vs_trl.py builds
-    its two-turn task this way). ``engine``: an Engine and Publisher to run on instead of
-    the one ``config`` describes (an HTTPEngine, a fleet made elsewhere); the caller
-    closes it. Torch's thread count is the caller's to set.
-    """
-    import numpy as np
-    import torch
-
-    from dew.data import Dataset
+def demo_recipe(
+    config: DemoConfig, *, task: TaskBuilder | None = None, engine: Any = None
+) -> Recipe:
+    """The demo job of ``config`` as a :class:`~dew.recipe.Recipe`: a model built from
+    the config, the in-process engine (or ``config.engines`` local ``dew serve``
+    processes), the task's source. ``task`` replaces the registry's builder for
+    ``config.task`` (bench/vs_trl.py builds its two-turn task this way). ``engine``: an
+    Engine and Publisher to run on instead of the one ``config`` describes (an
+    HTTPEngine, a fleet made elsewhere); the caller closes it."""
+    from dew.core import SamplingParams
     from dew.demo.model import make_model, make_tokenizer
-    from dew.objectives.rl.grpo import GRPOObjective
-    from dew.objectives.rl.scheduler import RolloutScheduler
-    from dew.serving import RolloutServer
 
-    torch.manual_seed(config.seed)
     tokenizer = make_tokenizer()
-    model = make_model(config.arch, config.size, seed=config.seed, max_positions=config.positions)
+    build = task or TASKS[config.task]
     chosen = {"importance": config.importance, "importance_cap": config.importance_cap}
-    objective = GRPOObjective(
-        temperature=config.temperature,
-        clip_high=config.clip_high,
-        proximal=config.proximal,  # type: ignore[arg-type]
-        **{name: value for name, value in chosen.items() if value is not None},
+    return Recipe(
+        model=lambda: make_model(
+            config.arch, config.size, seed=config.seed, max_positions=config.positions
+        ),
+        engine=lambda needs, stack: engine if engine is not None else _engine(config, needs, stack),
+        source=lambda server, needs: build(config, server, tokenizer, needs),
+        sampling=SamplingParams(max_tokens=config.max_tokens, temperature=config.temperature),
+        scheduler=config.scheduler_config(),
+        rows=config.tasks,
+        tasks=config.batch_size,
+        lr=config.lr,
+        objective={
+            "clip_high": config.clip_high,
+            "proximal": config.proximal,
+            **{name: value for name, value in chosen.items() if value is not None},
+        },
+        seed=config.seed,
+        data_seed=1,  # one task order whatever the seed: seeds vary the model and sampling
+        parallel={"tensor": config.tensor},
     )
-    rows = config.batch_size * config.group_size
-    world = 1 if pool is None else pool.world
-    dataset = Dataset(
-        {"task_id": np.arange(config.tasks)}, batch_size=config.batch_size * world, seed=1
-    )
-    if pool is not None:
-        dataset = pool.dataset(dataset)
-    rank = 0 if pool is None else pool.rank
+
+
+def _engine(config: DemoConfig, needs: Needs, stack: ExitStack) -> Any:
+    """The demo's own engine: in process, or a fleet of local ``dew serve`` processes."""
     server: Any
-    if engine is not None:
-        server = engine
-    elif config.engines:
+    if config.engines:
         from dew.serving.fleet import EngineFleet
 
         if config.arch != "qwen2":
@@ -504,30 +340,31 @@ def build_job(
         server = EngineFleet.launch(
             config.engines,
             demo=config.size,
-            seed=config.seed,
-            args=["--max-batch", str(rows * (config.ahead + 1))],
+            seed=needs.seed,
+            args=["--max-batch", str(needs.in_flight)],
         )
     else:
-        server = RolloutServer(
-            model,
-            max_batch=rows * (config.ahead + 1),
-            seed=config.seed + rank,
-            on_load=config.on_load,
-        )
-    if engine is None:
-        stack.callback(server.close)
-    if pool is not None:  # after the engine copied the whole model, before the optimizer
-        from dew.pool import shard_model
+        from dew.serving import RolloutServer
 
-        shard_model(model, pool)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr, weight_decay=0.0)
-    parts = (task or TASKS[config.task])(config, server, tokenizer)
-    stack.callback(parts.close)
-    scheduler = RolloutScheduler.from_config(
-        objective, parts.source, server, config.scheduler_config(), width=parts.max_chain, rows=rows
-    )
-    stack.callback(scheduler.close)
-    return DemoJob(model, optimizer, objective, dataset, server, scheduler, parts.describe)
+        server = RolloutServer(
+            needs.model, max_batch=needs.in_flight, seed=needs.seed, on_load=config.on_load
+        )
+    stack.callback(server.close)
+    return server
+
+
+def build_job(
+    config: DemoConfig,
+    stack: ExitStack,
+    *,
+    pool: Any = None,
+    task: TaskBuilder | None = None,
+    engine: Any = None,
+) -> Job:
+    """:func:`dew.recipe.assemble` of :func:`demo_recipe` (``pool``: a torchrun job's,
+    from :func:`dew.recipe.join_pool`); ``stack`` closes what it starts. Torch's thread
+    count is the caller's to set."""
+    return assemble(demo_recipe(config, task=task, engine=engine), stack, pool)
 
 
 def run_demo(
@@ -545,8 +382,6 @@ def run_demo(
     """
     import torch
 
-    from dew.train import fit
-
     t0 = time.monotonic()
     with ExitStack() as stack:
         # Under torchrun every process runs this function; each trains on its own share
@@ -560,7 +395,11 @@ def run_demo(
         else:
             config = config or DemoConfig.for_task("single")
             run = Path(run_dir) if run_dir is not None else _default_run_dir()
-        pool = _join_pool(stack, config.tensor)
+        recipe = demo_recipe(config)
+        try:
+            pool = join_pool(recipe.parallel, stack)
+        except RecipeError as exc:
+            raise DemoError(exc.message) from None
         lead = pool is None or pool.rank == 0
         if resume is None:
             if pool is not None:  # one folder for the job: rank 0's name
@@ -568,21 +407,9 @@ def run_demo(
             if (run / "checkpoints").exists():
                 raise DemoError(f"{run} already holds a run; continue it with --resume {run}")
         _share_cores(torch)
-        job = build_job(config, stack, pool=pool)
-        model, scheduler = job.model, job.scheduler
+        job = assemble(recipe, stack, pool)
         if lead:  # only once the job is built: a config that cannot run leaves nothing
-            if run.exists() and not run.is_dir():
-                raise DemoError(f"{run} is a file, not a run folder")
-            try:
-                run.mkdir(parents=True, exist_ok=True)
-                text = json.dumps(dataclasses.asdict(config), indent=2)
-                (run / "config.json").write_text(text)
-            except OSError as exc:
-                raise DemoError(f"{run} cannot be written: {exc}") from None
-        if pool is not None:
-            from dew.pool import attach
-
-            attach(scheduler, pool)
+            _write_config(run, config)
         log = []
         # Where the bar starts (fit checks the checkpoint itself).
         saved = checkpoints(run / "checkpoints") if resume is not None else []
@@ -591,12 +418,7 @@ def run_demo(
             update, bar = progress_bar(config.steps, done, "dew demo")
             stack.callback(bar.close)
             log.append(update)
-        result = fit(
-            model,
-            job.optimizer,
-            job.dataset,
-            scheduler,
-            job.objective,
+        result = job.fit(
             steps=config.steps,
             run_dir=run,
             checkpoint_every=config.checkpoint_every,
@@ -604,7 +426,6 @@ def run_demo(
             log=log,
             config=dataclasses.asdict(config),
             freeze_gc=True,  # a long-lived process with a large set-up heap: see fit's doc
-            pool=pool,
         )
     drawn = None
     if plot and lead:

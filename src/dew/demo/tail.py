@@ -38,7 +38,7 @@ from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
 from typing import Any
 
-from dew.core import Call, Task
+from dew.core import Call, Task, as_int
 
 __all__ = ["TailEnv", "TailTask", "Workload", "copy_credit", "make_tail_task", "turns_max_chain"]
 
@@ -71,9 +71,7 @@ class Workload:
         if not 0 <= self.format_credit <= 1:
             raise ValueError(f"format_credit={self.format_credit!r} must be in [0, 1]")
         for name in ("length_cap", "turn_cap", "min_turns"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name}={value!r} must be an int >= 1")
+            object.__setattr__(self, name, as_int(getattr(self, name), name, minimum=1))
         if not isinstance(self.max_turns, int) or self.max_turns < self.min_turns:
             raise ValueError(
                 f"max_turns={self.max_turns!r} must be an int >= min_turns={self.min_turns}"

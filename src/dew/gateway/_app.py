@@ -188,8 +188,9 @@ async def _watch_disconnect(request: Request, stop: threading.Event) -> None:
             return
 
 
-# Completions up to this many tokens are decoded on the event loop: about 5 µs a token
-# with a small tokenizer, under the loop time of the hand-off to the pool and back.
+# Completions up to this many tokens are decoded on the event loop: decoding a few tokens
+# with a small tokenizer measured cheaper than the loop's share of the hand-off to the
+# pool and back (bench/RESULTS.md, "gateway: profile").
 _INLINE_FINISH = 8
 
 

@@ -39,8 +39,8 @@ class HarnessEndpoint:
 
         It sends through the connections of the worker thread running the harness,
         kept open from one rollout to the next (an HTTP client of its own would cost
-        ~0.1 s of CPU, mostly TLS setup, and a new connection); closing it leaves them
-        open.
+        CPU, mostly TLS setup, and a new connection, each rollout: bench/RESULTS.md,
+        "Figures moved out of code comments"); closing it leaves them open.
         """
         import openai
 

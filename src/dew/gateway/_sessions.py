@@ -36,7 +36,7 @@ import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from dew.core import Call, RolloutKey, Task
+from dew.core import Call, RolloutKey, Task, as_int
 from dew.gateway._protocol import RequestError
 from dew.gateway._text import Prefix
 
@@ -74,12 +74,13 @@ class Limits:
 
     def __post_init__(self) -> None:
         for name in ("max_turns", "max_tokens_per_session", "max_context"):
-            v = getattr(self, name)
-            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
-                raise ValueError(f"{name} must be a positive integer or None, got {v!r}")
-        v = self.max_tokens_per_call
-        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-            raise ValueError(f"max_tokens_per_call must be a positive integer, got {v!r}")
+            if getattr(self, name) is not None:
+                object.__setattr__(self, name, as_int(getattr(self, name), name, minimum=1))
+        object.__setattr__(
+            self,
+            "max_tokens_per_call",
+            as_int(self.max_tokens_per_call, "max_tokens_per_call", minimum=1),
+        )
 
 
 @dataclass(eq=False)

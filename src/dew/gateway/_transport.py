@@ -3,9 +3,11 @@
 httpx's default transport (httpcore) writes a request's head and body in two ``send``
 calls and parses the answer with h11 in Python. On loopback each ``send`` delivers its
 segment to the gateway inside the call, so the gateway's event loop also wakes twice.
-Profiled under ``bench/gateway.py``, that was a fifth of the harness's CPU per call and
-a tenth of the gateway's. This transport writes each request whole and parses the
-answer with httptools (C). It speaks plain HTTP/1.1 to one host, as the gateway does.
+Profiled under ``bench/gateway.py``, that was a sizeable share of the harness's CPU per
+call and of the gateway's (bench/RESULTS.md: "Figures moved out of code comments", and
+"gateway: profile" for the CPU per call before and after). This transport writes each
+request whole and parses the answer with httptools (C). It speaks plain HTTP/1.1 to one
+host, as the gateway does.
 
 Thread-safe: a harness may call from threads of its own. Each exchange holds its own
 connection.

@@ -58,6 +58,7 @@ from dew.core import (
     Status,
     Task,
     ThreadedSource,
+    as_int,
     cancelled_rollout,
     error_text,
     parse_reward,
@@ -194,8 +195,7 @@ class HarnessSource(ThreadedSource):
         max_output_bytes: int = 1 << 20,
         processes: int = 0,
     ) -> None:
-        if isinstance(processes, bool) or not isinstance(processes, int) or processes < 0:
-            raise ValueError(f"processes must be an int >= 0, got {processes!r}")
+        processes = as_int(processes, "processes", minimum=0)
         if processes and not callable(harness):
             raise ValueError(
                 f"processes={processes}: only a callable harness runs in harness processes "

@@ -52,7 +52,7 @@ from typing import Any
 
 import uvicorn
 
-from dew._net import bind, http_with_read_timeout, is_loopback
+from dew._net import bind, is_loopback, uvicorn_config, uvicorn_server
 from dew.core import Engine, RolloutKey, SamplingParams, Task
 from dew.gateway._app import GatewayConfig, build_app
 from dew.gateway._sessions import Limits, Recording, SessionTable
@@ -62,20 +62,6 @@ __all__ = ["DEFAULT_SAMPLING", "Recording", "RecordingGateway"]
 DEFAULT_SAMPLING = SamplingParams(max_tokens=4096)
 """The gateway's sampling unless told otherwise: temperature 1, no filter, at most
 4096 tokens a call, stopping at the tokenizer's eos."""
-
-
-class _Server(uvicorn.Server):
-    """uvicorn's server, telling a waiting thread when it listens (or failed to)."""
-
-    def __init__(self, config: uvicorn.Config, ready: threading.Event) -> None:
-        super().__init__(config)
-        self._ready = ready
-
-    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
-        try:
-            await super().startup(sockets)
-        finally:
-            self._ready.set()
 
 
 class RecordingGateway:
@@ -181,7 +167,8 @@ class RecordingGateway:
         self._max_connections = max_connections
         self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
-        self._server: _Server | None = None
+        self._server: uvicorn.Server | None = None
+        self._ready = threading.Event()  # set once the server listens (or failed to)
         self._pool: ThreadPoolExecutor | None = None
         self._failure: BaseException | None = None
         self._closed = False
@@ -199,27 +186,19 @@ class RecordingGateway:
             self._port = sock.getsockname()[1]
             self._pool = ThreadPoolExecutor(self._workers, thread_name_prefix="dew-gateway")
             app = build_app(self.engine, self.tokenizer, self._table, self._config, self._pool)
-            config = uvicorn.Config(
+            config = uvicorn_config(
                 app,
-                log_config=None,
-                access_log=False,
-                lifespan="off",
-                # A slow client (headers or body trickled) gets a 408 after read_timeout
-                # rather than holding its connection; past max_connections, a 503.
-                http=http_with_read_timeout(self._read_timeout),
-                limit_concurrency=self._max_connections + 1,  # uvicorn counts the new one
-                ws="none",
-                loop="asyncio",
-                timeout_graceful_shutdown=self._grace,
+                read_timeout=self._read_timeout,
+                max_connections=self._max_connections,
+                graceful_shutdown=self._grace,
             )
-            ready = threading.Event()
-            self._server = _Server(config, ready)
+            self._server = uvicorn_server(config, ready=self._ready)
             self._thread = threading.Thread(
                 target=self._serve, args=(sock,), name="dew-gateway-http", daemon=True
             )
             self._thread.start()
         deadline = time.monotonic() + self._startup_timeout
-        ready.wait(max(0.0, deadline - time.monotonic()))
+        self._ready.wait(max(0.0, deadline - time.monotonic()))
         if self._failure is not None or not self._server.started:
             failure = self._failure
             self.close()
@@ -232,7 +211,7 @@ class RecordingGateway:
             self._server.run(sockets=[sock])
         except BaseException as exc:  # kept for start() to raise; the thread just ends
             self._failure = exc
-            self._server._ready.set()
+            self._ready.set()
         finally:
             sock.close()
 

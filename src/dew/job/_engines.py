@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import os
 import socket
+from collections.abc import Callable
 from contextlib import ExitStack
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
@@ -144,9 +146,9 @@ def make_engine(
     or that another live run holds, are a ConfigError."""
     from dew.core import EngineError
 
-    run_id = _run_id(run)
+    at = _At(model, model_path, seed, max_batch, _run_id(run))
     try:
-        engine = _make_engine(e, model, model_path, seed, max_batch, stack, run_id)
+        engine = _KINDS[e.kind](e, at)
     except (EngineError, ValueError) as exc:
         if not e.urls:
             raise
@@ -154,9 +156,10 @@ def make_engine(
         if "API key" in why:
             why += f" (the key comes from engine.api_key_file, else ${API_KEY_ENV})"
         raise ConfigError(f"engine.urls: {why}") from None
+    stack.callback(engine.close)
     if e.urls and not e.takeover:
         for member in engine.members():
-            if member.held_by not in (None, run_id):
+            if member.held_by not in (None, at.run_id):
                 raise ConfigError(
                     f"engine.urls: {member.url} is held by run {member.held_by!r}, which "
                     "has not released it: stop that trainer, or set engine.takeover = true "
@@ -175,58 +178,51 @@ def _first_line(exc: BaseException) -> str:
     return (str(exc).strip().splitlines() or [type(exc).__name__])[0]
 
 
-def _make_engine(
-    e: EngineSection,
-    model: Any,
-    model_path: str,
-    seed: int,
-    max_batch: int,
-    stack: ExitStack,
-    run_id: str,
-) -> Any:
-    kind = e.kind
-    if kind == "in-process":
-        from dew.serving import RolloutServer
+@dataclass(frozen=True)
+class _At:
+    """What every kind of engine is built from."""
 
-        engine: Any = RolloutServer(
-            model,
-            max_batch=max_batch,
-            seed=seed,
-            device=e.devices[0] if e.devices else None,
-        )
-    elif kind == "fleet":
-        from dew.serving.fleet import EngineFleet
-
-        engine = EngineFleet.launch(
-            e.engines,
-            model=model_path,
-            seed=seed,
-            args=["--max-batch", str(max_batch)],
-            weights_dir=e.weights_dir,
-            router=e.router,
-            devices=e.devices or None,
-            engine_options={"batch_groups": e.batch_groups},
-        )
-    elif kind == "vllm":
-        engine = _vllm_fleet(e, model_path, seed, run_id)
-    else:
-        from dew.serving.fleet import EngineFleet
-
-        engine = EngineFleet(
-            list(e.urls),
-            api_key=e.api_key(),
-            weights_dir=e.weights_dir,
-            engine_options={
-                "run": run_id,
-                "takeover": e.takeover,
-                "batch_groups": e.batch_groups,
-            },
-        )
-    stack.callback(engine.close)
-    return engine
+    model: Any  # the trainer's model (the in-process engine copies it)
+    model_path: str  # its folder (engine processes load it)
+    seed: int
+    max_batch: int
+    run_id: str
 
 
-def _vllm_fleet(e: EngineSection, model_path: str, seed: int, run_id: str) -> Any:
+def _in_process(e: EngineSection, at: _At) -> Any:
+    from dew.serving import RolloutServer
+
+    device = e.devices[0] if e.devices else None
+    return RolloutServer(at.model, max_batch=at.max_batch, seed=at.seed, device=device)
+
+
+def _fleet(e: EngineSection, at: _At) -> Any:
+    from dew.serving.fleet import EngineFleet
+
+    return EngineFleet.launch(
+        e.engines,
+        model=at.model_path,
+        seed=at.seed,
+        args=["--max-batch", str(at.max_batch)],
+        weights_dir=e.weights_dir,
+        router=e.router,
+        devices=e.devices or None,
+        engine_options={"batch_groups": e.batch_groups},
+    )
+
+
+def _urls(e: EngineSection, at: _At) -> Any:
+    from dew.serving.fleet import EngineFleet
+
+    return EngineFleet(
+        list(e.urls),
+        api_key=e.api_key(),
+        weights_dir=e.weights_dir,
+        engine_options={"run": at.run_id, "takeover": e.takeover, "batch_groups": e.batch_groups},
+    )
+
+
+def _vllm(e: EngineSection, at: _At) -> Any:
     """vLLM servers at ``urls``, or ``engines`` launched from the vLLM environment."""
     from dew.serving.fleet import EngineFleet
 
@@ -236,17 +232,26 @@ def _vllm_fleet(e: EngineSection, model_path: str, seed: int, run_id: str) -> An
             list(e.urls),
             api_key=e.api_key(),
             engine="vllm",
-            engine_options={**options, "run": run_id, "takeover": e.takeover},
+            engine_options={**options, "run": at.run_id, "takeover": e.takeover},
             weights_dir=e.weights_dir,
         )
     return EngineFleet.launch(
         e.engines,
-        model=model_path,
+        model=at.model_path,
         engine="vllm",
         python=e.python,
         args=e.args,
-        seed=seed,
+        seed=at.seed,
         engine_options=options,
         weights_dir=e.weights_dir,
         devices=e.devices or None,
     )
+
+
+# engine.kind -> how that kind is built
+_KINDS: dict[str, Callable[[EngineSection, _At], Any]] = {
+    "in-process": _in_process,
+    "fleet": _fleet,
+    "urls": _urls,
+    "vllm": _vllm,
+}

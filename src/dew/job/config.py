@@ -311,7 +311,9 @@ class JobConfig(Section):
 
     def grpo_objective(self, reference: Any = None) -> GRPOObjective:
         """The objective; ``reference``: the frozen model of ``objective.kl_coef``."""
-        temperature = self.sampling.temperature or 1.0  # type: ignore[attr-defined]
+        from dew.core import scored_temperature
+
+        temperature = scored_temperature(self.sampling.temperature)  # type: ignore[attr-defined]
         knobs = self.objective.model_dump()  # type: ignore[attr-defined]
         return GRPOObjective(temperature=temperature, reference=reference, **knobs)
 

@@ -41,7 +41,6 @@ import importlib
 import importlib.util
 import inspect
 import math
-import numbers
 import re
 import sys
 from collections.abc import Callable, Mapping, Sequence
@@ -49,7 +48,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
-from dew.core import Call, Task, error_text
+from dew.core import Call, Task, error_text, is_real
 from dew.objectives.rl.sources import GroupVerifier
 
 __all__ = [
@@ -280,7 +279,7 @@ def _checked(reward: Reward, value: Any) -> float | RewardError | None:
 def _finite(reward: Reward, value: Any) -> float:
     """``value`` as a float, when it is a finite real number (numpy's scalars count, as
     in TRL; a bool does not); else an error naming the reward."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+    if not is_real(value):
         raise RewardError(f"reward {reward.name} returned {value!r}, not a finite number")
     try:
         number = float(value)

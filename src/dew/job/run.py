@@ -245,137 +245,130 @@ def _holds_a_run(run: Path) -> bool:
 
 def _join_pool(config: JobConfig, stack: ExitStack) -> Any:
     """Under torchrun (``WORLD_SIZE`` > 1): the job's pool, laid out as ``[parallel]`` says."""
-    import os
+    from dew.recipe import RecipeError, join_pool
 
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    parallel = config.parallel.model_dump()  # type: ignore[attr-defined]
-    if world == 1:
-        if parallel["tensor"] > 1 or (parallel["data"] or 1) > 1:
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        if config.model.lora_rank > 0:
+            raise ConfigError("model.lora_rank: LoRA is not supported under torchrun yet")
+        if config.training.device is not None:
             raise ConfigError(
-                f"parallel: data={parallel['data']}, tensor={parallel['tensor']} needs that "
-                "many processes: start dew train with torchrun --nproc-per-node N"
+                "training.device: under torchrun each process trains on its own device; "
+                "leave it out"
             )
-        return None
-    if config.model.lora_rank > 0:
-        raise ConfigError("model.lora_rank: LoRA is not supported under torchrun yet")
-    if config.training.device is not None:
-        raise ConfigError(
-            "training.device: under torchrun each process trains on its own device; leave it out"
-        )
-    from dew.pool import init_pool
-
     try:
-        pool = init_pool("gloo", **parallel)
-    except ValueError as exc:
-        raise ConfigError(f"parallel: {exc}") from None
-    stack.callback(pool.close)
-    if config.training.tasks % pool.data:
-        raise ConfigError(
-            f"training.tasks: {config.training.tasks} tasks per step do not split evenly "
-            f"over the {pool.data} processes of the data axis"
-        )
-    return pool
+        return join_pool(config.parallel.model_dump(), stack)  # type: ignore[attr-defined]
+    except RecipeError as exc:
+        raise _config_error(exc) from None
 
 
-def _train(
-    prepared: Prepared, run: Path, pool: Any, stack: ExitStack, *, resume: bool, progress: bool
-) -> Any:
-    import numpy as np
-    import torch
+def _config_error(exc: Any) -> ConfigError:
+    """A recipe's refusal, naming the config's field (``training.tasks``, ``parallel``)."""
+    fields = {"tasks": "training.tasks", "parallel": "parallel"}
+    return ConfigError(f"{fields.get(exc.field, exc.field)}: {exc.message}")
 
-    from dew.data import Dataset
-    from dew.objectives.rl.scheduler import RolloutScheduler
+
+def _recipe(prepared: Prepared, run: Path, rewards: RewardPool) -> Any:
+    """The run as a :class:`dew.recipe.Recipe`: the loaded model, the ``[engine]``
+    section's engine, a PromptSource over the data rows scored by the reward functions
+    (in ``rewards``' processes), the config's sampling, scheduling and objective."""
     from dew.objectives.rl.sources import PromptSource
-    from dew.train import fit
+    from dew.recipe import Recipe, SourceParts
 
-    config, model, tokenizer, rows = (
-        prepared.config,
-        prepared.model,
-        prepared.tokenizer,
-        prepared.rows,
-    )
-    rank, shares = (0, 1) if pool is None else (pool.rank, pool.shares)
-    if pool is None:  # a pool places each process's shard itself
-        model.to(config.training.device or default_device())
-    torch.manual_seed(config.training.seed)
-    sampling = config.sampling_params()
-    knobs = config.scheduler_config()
-    rewards = RewardPool(prepared.rewards)  # no process until the first call
+    config, rows, tokenizer = prepared.config, prepared.rows, prepared.tokenizer
     verifier = combine(
         prepared.rewards, rows, prompt_column=rows.column, chat=config.data.chat, pool=rewards
     )
-    groups = knobs.groups
-    width = rows.prompt_tokens + sampling.max_tokens
-    batch_rows = config.training.tasks // shares * groups  # this process's rows
+
+    def engine(needs: Any, stack: ExitStack) -> Any:  # it copies the model
+        return make_engine(
+            config.engine,
+            model=needs.model,
+            model_path=config.model.path,
+            seed=needs.seed,
+            max_batch=needs.in_flight,
+            stack=stack,
+            run=run,
+        )
+
+    def source(engine: Any, needs: Any) -> Any:
+        prompts = PromptSource(
+            engine,
+            rows.prompts(),
+            verifier,
+            sampling=needs.sampling,
+            tokenizer=tokenizer,
+            chat_template=config.data.chat,
+            group_size=config.scheduler.groups,  # a TRL reward gets a group in one call
+        )
+
+        def close() -> None:
+            # The rewards first: reward calls in progress end at once, so the source's
+            # close does not wait for them.
+            rewards.close()
+            prompts.close()
+
+        return SourceParts(prompts, rows.prompt_tokens + needs.sampling.max_tokens, close)
+
     reference = None
     if config.objective.kl_coef > 0:  # type: ignore[attr-defined]
-        # The starting weights, frozen (on resume too: the checkpoint loads into `model`).
-        reference = copy.deepcopy(model).eval().requires_grad_(False)
-    objective = config.grpo_objective(reference)
-    dataset = Dataset(
-        {"task_id": np.arange(len(rows))},
-        batch_size=config.training.tasks,
-        seed=config.training.seed,
+        # The starting weights, frozen (on resume too: the checkpoint loads into the model).
+        reference = lambda model: copy.deepcopy(model).eval().requires_grad_(False)  # noqa: E731
+    t = config.training
+    return Recipe(
+        model=lambda: prepared.model,
+        engine=engine,
+        source=source,
+        sampling=config.sampling_params(),
+        scheduler=config.scheduler_config(),
+        rows=len(rows),
+        tasks=t.tasks,
+        lr=t.lr,
+        objective=config.objective.model_dump(),  # type: ignore[attr-defined]
+        reference=reference,
+        weight_decay=t.weight_decay,
+        seed=t.seed,
+        device=t.device or default_device(),
+        parallel=config.parallel.model_dump(),  # type: ignore[attr-defined]
+        wrap=_lora(config) if config.model.lora_rank > 0 else None,
     )
-    if pool is not None:
-        dataset = pool.dataset(dataset)
-    engine = make_engine(  # it copies the model
-        config.engine,
-        model=model,
-        model_path=config.model.path,
-        seed=config.training.seed,
-        max_batch=batch_rows * (knobs.ahead + 1),
-        stack=stack,
-        run=run,
-    )
-    publisher: Any = engine
-    if pool is not None:  # after the engine copied the whole model
-        from dew.pool import shard_model
 
-        shard_model(model, pool)
-    lora = config.model.lora_rank > 0
-    if lora:
-        from dew.job import lora as lora_
 
-        m = config.model
-        model = lora_.wrap(
+def _lora(config: JobConfig) -> Any:
+    """``[model] lora_*``: the model wrapped in adapters, its engines served the merged
+    weights."""
+    from dew.job import lora
+
+    m = config.model
+
+    def wrap(model: Any, engine: Any) -> tuple[Any, Any]:
+        adapted = lora.wrap(
             model,
             rank=m.lora_rank,
             alpha=m.lora_alpha,
             dropout=m.lora_dropout,
             targets=m.lora_targets,
         )
-        publisher = lora_.MergedPublisher(engine)  # engines serve the merged weights
-    optimizer = torch.optim.AdamW(
-        [p for p in model.parameters() if p.requires_grad],
-        lr=config.training.lr,
-        weight_decay=config.training.weight_decay,
-    )
-    source = PromptSource(
-        engine,
-        rows.prompts(),
-        verifier,
-        sampling=sampling,
-        tokenizer=tokenizer,
-        chat_template=config.data.chat,
-        group_size=groups,  # a TRL reward gets each group's completions in one call
-    )
-    stack.callback(source.close)
-    # Closed before the source: reward calls in progress end at once, so the source's
-    # close does not wait for them.
-    stack.callback(rewards.close)
-    hooks = None
-    if pool is not None:
-        from dew.pool import scheduler_hooks
+        return adapted, lora.MergedPublisher(engine)
 
-        hooks = scheduler_hooks(pool)
-    scheduler = RolloutScheduler.from_config(
-        objective, source, publisher, knobs, width=width, rows=batch_rows, hooks=hooks
-    )
-    stack.callback(scheduler.close)
+    return wrap
+
+
+def _train(
+    prepared: Prepared, run: Path, pool: Any, stack: ExitStack, *, resume: bool, progress: bool
+) -> Any:
+    from dew.recipe import RecipeError, assemble
+
+    config, tokenizer, rows = prepared.config, prepared.tokenizer, prepared.rows
+    rank = 0 if pool is None else pool.rank
+    rewards = RewardPool(prepared.rewards)  # no process until the first call
+    try:
+        job = assemble(_recipe(prepared, run, rewards), stack, pool)
+    except RecipeError as exc:
+        raise _config_error(exc) from None
+    model, scheduler, sampling = job.model, job.scheduler, job.needs.sampling
     done = _steps_done(run, pool) if resume else 0
     log = [
-        _lr_schedule(optimizer, config, done),
+        _lr_schedule(job.optimizer, config, done),
         exporter(model, tokenizer, run, config.output.export_every, config, pool),
     ]
     if rank == 0:
@@ -421,12 +414,7 @@ def _train(
         update, bar = progress_bar(config.training.steps, done, "dew train")
         stack.callback(bar.close)
         log.append(update)
-    result = fit(
-        model,
-        optimizer,
-        dataset,
-        scheduler,
-        objective,
+    result = job.fit(
         steps=config.training.steps,
         run_dir=run,
         checkpoint_every=config.output.checkpoint_every,
@@ -438,7 +426,6 @@ def _train(
         tensorboard=config.output.tensorboard,
         config=config.model_dump(mode="json"),
         freeze_gc=True,
-        pool=pool,
     )
     export(model, tokenizer, run / "export", config, pool)
     return result

@@ -7,7 +7,8 @@ model lives on a ``data x tensor`` device mesh:
 * :func:`init_pool` joins the job and lays out the mesh (``tensor=1`` by default);
 * :func:`shard_model` shards the model with FSDP2 along data and splits its layers
   along tensor; ``fit(..., pool=pool)`` then trains it (FSDP2 reduces the gradients),
-  checkpoints it as ``torch.distributed.checkpoint`` shards and resumes it;
+  checkpoints it as ``torch.distributed.checkpoint`` shards (:class:`ShardedCheckpoints`)
+  and resumes it;
 * :func:`attach` (or ``hooks=scheduler_hooks(pool)``) joins a scheduler to the pool:
   agreed weight pushes (whole tensors gathered for the engine), one agreement per
   call, and a share's rows read once along the tensor axis
@@ -20,6 +21,7 @@ process that stops running is told from a slow one by its heartbeat, a side thre
 each process runs (``init_pool(hang_timeout=30)``).
 """
 
+from dew.pool._checkpoint import ShardedCheckpoints
 from dew.pool._checkpoint import latest as latest_checkpoint
 from dew.pool._hooks import AgreedPublisher, attach, first_reader_batch, scheduler_hooks
 from dew.pool._pool import Pool, PoolError, init_pool
@@ -36,6 +38,7 @@ __all__ = [
     "AgreedPublisher",
     "Pool",
     "PoolError",
+    "ShardedCheckpoints",
     "attach",
     "first_reader_batch",
     "full_state_dict",

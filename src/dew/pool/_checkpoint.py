@@ -37,20 +37,20 @@ from dew._checkpoint import (
     MANIFEST,
     Checkpoint,
     CheckpointError,
-    _fsync_dir,
-    _fsync_file,
-    _rng_json,
-    _set_rng_json,
-    _sha256,
     checkpoints,
     file_problem,
+    fsync_dir,
+    fsync_file,
     manifest_files,
     prune,
+    rng_json,
+    set_rng_json,
+    sha256,
     step_name,
 )
 from dew.pool._pool import Pool, PoolError
 
-__all__ = ["latest", "load", "save", "verify"]
+__all__ = ["ShardedCheckpoints", "latest", "load", "save", "verify"]
 
 _OWN = ("state.json", "rng.pt", "records.jsonl")
 
@@ -70,8 +70,8 @@ def _round(pool: Pool, tag: str, payload: dict[str, Any]) -> list[dict[str, Any]
 
 
 def _file_entry(path: Path) -> dict[str, Any]:
-    _fsync_file(path)
-    return {"bytes": path.stat().st_size, "sha256": _sha256(path)}
+    fsync_file(path)
+    return {"bytes": path.stat().st_size, "sha256": sha256(path)}
 
 
 def save(
@@ -123,7 +123,7 @@ def save(
         state = {
             "updates": updates,
             "position": position,
-            "rng": _rng_json(),
+            "rng": rng_json(),
             "extra": dict(extra or {}),
         }
         (own / "state.json").write_text(json.dumps(state))
@@ -132,7 +132,7 @@ def save(
                 f.write(json.dumps(r) + "\n")
         mine = [own / name for name in _OWN] + sorted(tmp.glob(f"__{pool.rank}_*.distcp"))
         files = {str(p.relative_to(tmp)): _file_entry(p) for p in mine}
-        _fsync_dir(own)
+        fsync_dir(own)
     except OSError as exc:
         error = f"cannot write its part of {tmp}: {exc}"
     reports = _round(pool, "checkpoint-written", {"files": files, "error": error})
@@ -151,7 +151,7 @@ def save(
                 json.dump({"files": manifest, "mesh": mesh, "updates": updates}, f)
                 f.flush()
                 os.fsync(f.fileno())
-            _fsync_dir(tmp)
+            fsync_dir(tmp)
             if final.exists():  # a re-save of the same step (after a resume): replace it
                 old = folder / f".tmp-old-{final.name}"
                 final.rename(old)
@@ -159,7 +159,7 @@ def save(
                 shutil.rmtree(old)
             else:
                 tmp.rename(final)
-            _fsync_dir(folder)
+            fsync_dir(folder)
             prune(folder, final, keep)
         except OSError as exc:
             error = f"cannot publish {final}: {exc}"
@@ -258,7 +258,7 @@ def load(path: Path, *, model: Any, optimizer: Any, pool: Pool) -> Checkpoint:
     torch.set_rng_state(rng["torch"])
     if "cuda" in rng and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(rng["cuda"])
-    _set_rng_json(saved["rng"])
+    set_rng_json(saved["rng"])
     return Checkpoint(
         path=path,
         updates=int(saved["updates"]),
@@ -266,3 +266,23 @@ def load(path: Path, *, model: Any, optimizer: Any, pool: Pool) -> Checkpoint:
         records=records,
         extra=dict(saved.get("extra", {})),
     )
+
+
+class ShardedCheckpoints:
+    """The checkpoints of a pool: :func:`save`, :func:`load` and :func:`latest` over
+    ``pool`` (every process calls each method together); the pool's side of
+    :class:`dew._checkpoint.Checkpoints`."""
+
+    sharded = True
+
+    def __init__(self, pool: Pool) -> None:
+        self.pool = pool
+
+    def latest(self, folder: Path) -> Path | None:
+        return latest(folder, self.pool)
+
+    def load(self, path: Path, *, model: Any, optimizer: Any) -> Checkpoint:
+        return load(path, model=model, optimizer=optimizer, pool=self.pool)
+
+    def save(self, folder: Path, **state: Any) -> Path:
+        return save(folder, pool=self.pool, **state)

@@ -23,7 +23,7 @@ from collections.abc import Set as AbstractSet
 
 import torch
 
-from dew.core import Call
+from dew.core import Call, scored_temperature
 from dew.serving._kv import ModelCall, SlotCache, forward_decode, forward_prefill
 from dew.serving._prefix import (
     Kept,
@@ -209,7 +209,7 @@ class ActiveBatch:
                 completion=r.completion,
                 log_probs=r.log_probs,
                 version=r.version,
-                temperature=r.temperature or 1.0,
+                temperature=scored_temperature(r.temperature),
                 support=r.support if r.keeps_support else None,
                 finish_reason=r.finish_reason,
             )

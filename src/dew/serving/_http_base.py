@@ -59,13 +59,19 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
-from dew.core import Aborted, Call, Engine, EngineError, SamplingParams
-from dew.core._checks import as_int
+from dew.core import Aborted, Call, Engine, EngineError, SamplingParams, as_int
+from dew.serving._folders import private_folder, release_folder
 from dew.serving._http_client import Broken, NotConnected, Pool, TimedOut
 from dew.serving._requests import Request, make_request
-from dew.serving.weights import private_folder, release_folder
 
-__all__ = ["LoopEngine", "Pending"]
+__all__ = [
+    "CONNECT_TIMEOUT",
+    "FLEET_CONNECT_TIMEOUT",
+    "REQUEST_TIMEOUT",
+    "STARTUP_TIMEOUT",
+    "LoopEngine",
+    "Pending",
+]
 
 T = TypeVar("T")
 
@@ -77,6 +83,20 @@ _CONTROL_CONNECTIONS = 8
 # connection the server is just closing would fail a generation that cannot safely be
 # sent again.
 _KEEPALIVE = 4.0
+
+# The defaults of every engine over one server (HTTPEngine, VLLMEngine, EngineFleet):
+# seconds a request may take (a generation, or waiting for a free connection to send it).
+REQUEST_TIMEOUT = 120.0
+# Seconds to open a connection, and the whole budget of a request that does no work
+# (health, abort, model info). A lone engine has no other server to turn to, so it gives
+# a busy server's accept queue time before calling the server unreachable.
+CONNECT_TIMEOUT = 5.0
+# A fleet's, shorter on purpose: its health thread pings every member with it each
+# round, and the fleet has other members to route to, so a member that stopped
+# answering should fail its checks (and leave the rotation) within seconds.
+FLEET_CONNECT_TIMEOUT = 2.0
+# Seconds an engine's constructor waits for its server to answer.
+STARTUP_TIMEOUT = 10.0
 
 
 class _CallFuture(Future[Call]):
@@ -385,7 +405,9 @@ class LoopEngine(Engine):
             return self._own_dir
 
     def _set_version(self, value: object, *, exact: bool) -> None:
-        if isinstance(value, bool) or not isinstance(value, int):
+        try:
+            value = as_int(value, "version")
+        except ValueError:
             return  # an SGLang server's version is a label, not dew's number
         with self._lock:
             self._version = value if exact else max(self._version, value)

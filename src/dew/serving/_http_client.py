@@ -3,11 +3,11 @@
 Why not httpx: with a few hundred requests in flight to one host, httpcore's pool
 rescans every connection for every request it places (O(connections x requests) per
 request, each scan asking the socket whether it is readable); profiled under the demo,
-the HTTP engines spent nearly all their CPU there and ran at 0.02x the in-process
-engine (bench/RESULTS.md, "fleet"). A request cancelled while anyio was still opening
-its connection also left that connection's coroutine to the garbage collector. This
-client does only what the engine needs: JSON bodies, keep-alive connections to one
-host, h11 for the protocol itself.
+the HTTP engines spent nearly all their CPU there and ran at a small fraction of the
+in-process engine's speed (bench/RESULTS.md, "fleet: profile"). A request cancelled
+while anyio was still opening its connection also left that connection's coroutine to
+the garbage collector. This client does only what the engine needs: JSON bodies,
+keep-alive connections to one host, h11 for the protocol itself.
 
 Runs on one event loop (the engine's); not thread-safe.
 

@@ -157,8 +157,8 @@ class SlotCache:
             return
         tensors = (*self.keys, *self.values)
         if len(src) <= _FEW and set(src).isdisjoint(dst):
-            # a few slots: one narrow copy each is cheaper than an indexed gather and
-            # scatter (217 -> 92 us for 3 slots of 300 columns, tiny model)
+            # a few slots: one narrow copy each measured cheaper than an indexed gather
+            # and scatter (bench/RESULTS.md, "Figures moved out of code comments")
             for t in tensors:
                 for i, j in zip(src, dst, strict=True):
                     t[j, :, :width].copy_(t[i, :, :width])

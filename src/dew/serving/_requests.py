@@ -16,14 +16,12 @@ from typing import TypeVar
 
 import torch
 
-from dew.core import Call, SamplingParams
-from dew.core._checks import as_int
+from dew.core import Call, SamplingParams, as_int
 
 __all__ = [
     "CallFuture",
     "Load",
     "Request",
-    "as_int",
     "check_weights",
     "make_request",
     "prefill_groups",

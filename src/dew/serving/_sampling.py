@@ -21,6 +21,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from dew.core import scored_temperature
+
 __all__ = ["Draw", "RowSettings", "sample", "settings"]
 
 
@@ -69,7 +71,7 @@ def settings(
     p = [1.0 if (x is None or x >= 1.0) else float(x) for x in top_p]
     filtered = [(ki > 0 or pi < 1.0) and not g for ki, pi, g in zip(k, p, greedy, strict=True)]
     return RowSettings(
-        temperature=torch.tensor([t if t > 0 else 1.0 for t in temperature], device=device),
+        temperature=torch.tensor([scored_temperature(t) for t in temperature], device=device),
         top_k=torch.tensor(k, dtype=torch.int64, device=device),
         top_p=torch.tensor(p, dtype=torch.float32, device=device),
         greedy=torch.tensor(greedy, dtype=torch.bool, device=device),

@@ -43,9 +43,15 @@ from collections.abc import Hashable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from dew.core import Aborted, Call, EngineError, SamplingParams
-from dew.core._checks import as_int
-from dew.serving._http_base import LoopEngine, Pending, _settle
+from dew.core import Aborted, Call, EngineError, SamplingParams, as_int, scored_temperature
+from dew.serving._http_base import (
+    CONNECT_TIMEOUT,
+    REQUEST_TIMEOUT,
+    STARTUP_TIMEOUT,
+    LoopEngine,
+    Pending,
+    _settle,
+)
 from dew.serving._http_client import Pool
 from dew.serving._requests import Request
 
@@ -84,10 +90,10 @@ class HTTPEngine(LoopEngine):
         *,
         api_key: str | None = None,
         weights_dir: str | Path | None = None,
-        timeout: float = 120.0,
-        connect_timeout: float = 5.0,
+        timeout: float = REQUEST_TIMEOUT,
+        connect_timeout: float = CONNECT_TIMEOUT,
         max_connections: int = 256,
-        startup_timeout: float = 10.0,
+        startup_timeout: float = STARTUP_TIMEOUT,
         poll: float = 0.005,
         abort_urls: Sequence[str] = (),
         run: str | None = None,
@@ -265,8 +271,9 @@ class HTTPEngine(LoopEngine):
             if [int(r[1]) for r in rows] != out or not out:
                 raise ValueError("output_token_logprobs do not match output_ids")
             log_probs = [float(r[0]) for r in rows]
-            version = meta.get("weight_version")
-            if isinstance(version, bool) or not isinstance(version, int):
+            try:
+                version = as_int(meta.get("weight_version"), "weight_version")
+            except ValueError:
                 version = self.version  # a server without dew's version field
             else:
                 self._set_version(version, exact=False)
@@ -279,7 +286,9 @@ class HTTPEngine(LoopEngine):
                 completion=out,
                 log_probs=log_probs,
                 version=version,
-                temperature=float(temperature or p.body["sampling_params"]["temperature"] or 1),
+                temperature=scored_temperature(
+                    float(temperature or p.body["sampling_params"]["temperature"])
+                ),
                 support=None if support is None else [[int(t) for t in s] for s in support],
                 finish_reason=kind,
             )

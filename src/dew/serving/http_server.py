@@ -95,7 +95,8 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from dew.core import Aborted, SamplingParams
+from dew.core import Aborted, SamplingParams, scored_temperature
+from dew.serving._folders import weights_root
 from dew.serving._http_common import (
     AbortBody,
     GenerateBody,
@@ -105,7 +106,6 @@ from dew.serving._http_common import (
     parse_body,
 )
 from dew.serving._http_weights import from_disk, from_distributed, init_group, release
-from dew.serving.weights import weights_root
 
 if TYPE_CHECKING:
     import torch
@@ -266,7 +266,7 @@ def _aborted(state: ServeState, item: _Item, logprobs: bool, exc: Aborted) -> di
         "prompt_tokens": len(item.ids),
         "completion_tokens": int(exc.tokens),
         "weight_version": state.engine.version,
-        "dew_temperature": item.params.temperature or 1.0,
+        "dew_temperature": scored_temperature(item.params.temperature),
         "dew_support": None,
     }
     if logprobs:
@@ -342,7 +342,7 @@ def build_app(
     ``reference`` (the served model's state dict) lets a broadcast push be checked by
     name and shape before any tensor is received, and bounds the size of a weights
     file. ``weights_dir``: the only folder whose files a push may name (default
-    :func:`dew.serving.weights.weights_root`, where engines on this machine write).
+    :func:`dew.serving._folders.weights_root`, where engines on this machine write).
     ``group_timeout``: seconds a join of a trainer's broadcast group may wait for it,
     and each receive in it; one join at a time. ``tokenizer`` (the model's): takes
     ``text`` prompts and adds ``text`` to each answer. ``state.close()`` lets its

@@ -81,7 +81,7 @@ from concurrent.futures import Future
 
 import torch
 
-from dew.core import Aborted, Call, Engine, SamplingParams
+from dew.core import Aborted, Call, Engine, SamplingParams, as_int
 from dew.serving._batch import ActiveBatch
 from dew.serving._kv import ModelCall, SlotCache
 from dew.serving._prefix import KeptPrefixes
@@ -89,7 +89,6 @@ from dew.serving._requests import (
     CallFuture,
     Load,
     Request,
-    as_int,
     check_weights,
     make_request,
 )

@@ -28,12 +28,10 @@ Two paths carry the trainer's state dict to every engine under a version number:
 
 from __future__ import annotations
 
-import atexit
 import datetime
 import hashlib
 import json
 import os
-import shutil
 import stat
 import struct
 import tempfile
@@ -43,7 +41,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from dew.core._checks import as_int
+from dew.core import as_int
 
 if TYPE_CHECKING:
     import torch
@@ -55,13 +53,10 @@ __all__ = [
     "checksum",
     "join_group",
     "open_weights",
-    "private_folder",
     "read_weights",
     "receive_tensors",
-    "release_folder",
     "tensor_specs",
     "weights_path",
-    "weights_root",
     "write_weights",
 ]
 
@@ -140,8 +135,7 @@ def write_weights(state: Any, folder: str | os.PathLike[str], version: int) -> P
     atomically; returns the path. An existing file of that name is replaced whole."""
     from safetensors.torch import save_file
 
-    if isinstance(version, bool) or not isinstance(version, int) or version < 0:
-        raise ValueError(f"version must be an int >= 0, got {version!r}")
+    version = as_int(version, "version", minimum=0)
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     tensors = _one_per_storage(_state_of(state))
@@ -220,89 +214,6 @@ def read_weights(path: str | os.PathLike[str]) -> tuple[dict[str, torch.Tensor],
 def checksum(tensors: Mapping[str, torch.Tensor]) -> str:
     """The ``dew_sha256`` of ``tensors``, as :func:`write_weights` records it."""
     return _checksum(tensors)
-
-
-def weights_root() -> Path:
-    """The folder weights files go to, and the only one servers read, when none is
-    named: ``dew-weights-<uid>`` in shared memory (``/dev/shm``) where there is one,
-    else in the temp folder, private to this user (made ``0700``; one found there that
-    is not this user's own folder is refused, never used)."""
-    shm = Path("/dev/shm")
-    base = shm if shm.is_dir() else Path(tempfile.gettempdir())
-    root = base / f"dew-weights-{os.getuid()}"
-    root.mkdir(mode=0o700, exist_ok=True)
-    info = os.lstat(root)
-    if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.getuid():
-        raise WeightsError(f"{root} is not a folder of this user's: name a weights folder")
-    return root
-
-
-# A private folder's lock file is swept only once older than this: its writer takes the
-# lock within microseconds of making the file.
-_SWEEP_AGE = 5.0
-_private: dict[Path, tuple[Path, int]] = {}  # folder -> (its lock file, the held descriptor)
-
-
-def private_folder(prefix: str) -> Path:
-    """A new folder in :func:`weights_root` for one writer, held (``flock`` on ``NAME.lock``
-    beside it) until :func:`release_folder` or the interpreter's exit. Folders of writers
-    that died without releasing them (SIGKILL runs no cleanup) are removed first."""
-    import secrets
-
-    from dew import _runlock
-
-    root = weights_root()
-    _sweep(root)
-    while True:
-        name = f"{prefix}{secrets.token_hex(6)}"
-        lock = root / f"{name}.lock"
-        try:
-            os.close(os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600))
-        except FileExistsError:
-            continue
-        break
-    fd = _runlock.lock_file(lock)
-    folder = root / name
-    folder.mkdir(mode=0o700)
-    _private[folder] = (lock, fd)
-    return folder
-
-
-@atexit.register  # a script that exits without closing its engine leaves nothing
-def _release_all() -> None:
-    for folder in list(_private):
-        release_folder(folder)
-
-
-def release_folder(folder: Path) -> None:
-    """Remove ``folder`` and, if :func:`private_folder` made it, its lock."""
-    shutil.rmtree(folder, ignore_errors=True)
-    held = _private.pop(folder, None)
-    if held is not None:
-        lock, fd = held
-        lock.unlink(missing_ok=True)
-        os.close(fd)
-
-
-def _sweep(root: Path) -> None:
-    """Remove the private folders of ``root`` whose writers are gone."""
-    from dew import _runlock
-
-    now = time.time()
-    for lock in root.glob("*.lock"):
-        try:
-            if now - lock.stat().st_mtime < _SWEEP_AGE:
-                continue
-        except FileNotFoundError:
-            continue
-        fd = _runlock.try_lock_file(lock)
-        if fd is None:  # its writer lives (or another sweep took it)
-            continue
-        try:
-            shutil.rmtree(root / lock.name.removesuffix(".lock"), ignore_errors=True)
-            lock.unlink(missing_ok=True)
-        finally:
-            os.close(fd)
 
 
 def open_weights(

@@ -33,7 +33,8 @@ __all__ = ["Bucket", "Costs", "chain_buckets", "find_chains"]
 # "vs trl: heavy-tailed workload: profile"); its cells are weighted up by this much.
 _ATTENTION_SLOWDOWN = 1.5
 # A model call's fixed cost (Python and per-op dispatch, forward and backward) in flops
-# of work: about 0.5 ms + 1 ms per layer on one core, at ~60 GFLOP/s.
+# of work: a fixed part and a part per layer, as measured on the CPU host (bench/RESULTS.md,
+# "Figures moved out of code comments").
 _CALL_FLOPS = 3e7
 _LAYER_CALL_FLOPS = 6e7
 

@@ -22,12 +22,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, NoReturn
 
+from dew.core import Publisher
 from dew.objectives.rl.estimators import DEFAULT_ESTIMATOR, Estimator, advantage_estimator
 from dew.objectives.rl.truncation import DEFAULT_TRUNCATION, TruncationPolicy, truncation_policy
 
 if TYPE_CHECKING:
     from dew.data import Batch
-    from dew.objectives.rl.scheduler import Publisher
 
 __all__ = [
     "EstimatorChoice",
@@ -138,6 +138,15 @@ class SchedulerConfig:
                 f"max_lag={self.max_lag} < ahead + sync_every - 1 = {floor}: a first "
                 f"submission can already be {floor} updates stale when consumed"
             )
+
+    @property
+    def in_flight_per_task(self) -> int:
+        """``(groups + oversample) * (ahead + 1)``: the most rollouts of one task slot of
+        a batch that run at once. Admission starts ``groups + oversample`` samples per
+        task, for the batch being trained and the ``ahead`` batches submitted early; an
+        engine or a source's worker pool sized below ``tasks * in_flight_per_task``
+        queues some of them."""
+        return (self.groups + self.oversample) * (self.ahead + 1)
 
     @property
     def lag_floor(self) -> int:

@@ -39,7 +39,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from dew.core import Rollout, Status
+from dew.core import Rollout, Status, as_int
 from dew.objectives.rl.chains import Run, chain_runs, trained_mask
 from dew.objectives.rl.estimators import (
     DEFAULT_ESTIMATOR,
@@ -369,9 +369,10 @@ def _never_fits(group: Sequence[Rollout], rows: int, width: int, cap: int | None
 
 
 def _check_int(name: str, value: object) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
-        raise ValueError(f"{name} must be a positive int, got {value!r}")
-    return int(value)
+    try:
+        return as_int(value, name, minimum=1)
+    except ValueError:  # pack's own wording, which callers match on
+        raise ValueError(f"{name} must be a positive int, got {value!r}") from None
 
 
 def pack(

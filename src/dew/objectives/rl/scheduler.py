@@ -35,11 +35,11 @@ import dataclasses
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol, TypeVar, overload, runtime_checkable
+from typing import TYPE_CHECKING, Any, TypeVar, overload
 
 import numpy as np
 
-from dew.core import Rollout, SessionSource, Task
+from dew.core import Publisher, Rollout, SessionSource, Task
 from dew.data import Batch, Dataset
 from dew.objectives.rl._driver import Driver
 from dew.objectives.rl.admission import Admission, Consumed
@@ -59,13 +59,6 @@ if TYPE_CHECKING:
 __all__ = ["Publisher", "RolloutScheduler", "SchedulerRecord", "task_ids"]
 
 Variables = Any  # the trainer's policy: a torch.nn.Module
-
-
-@runtime_checkable
-class Publisher(Protocol):
-    """Serves the trainer's weights to the engines under a version number."""
-
-    def load(self, variables: Variables, version: int) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -332,6 +325,11 @@ class RolloutScheduler:
             if not isinstance(r, SchedulerRecord):
                 raise TypeError(f"records: expected SchedulerRecord, got {type(r).__name__}")
         self._history[:] = restored
+
+    def restore(self, records: Sequence[Mapping[str, Any]]) -> None:
+        """A resume's hand-over (``dew.train.fit``): the history becomes the scheduler
+        records kept in the checkpoint's step records (their ``"scheduler"`` entries)."""
+        self.restore_history(SchedulerRecord(**r["scheduler"]) for r in records if "scheduler" in r)
 
     @property
     def failure(self) -> BaseException | None:

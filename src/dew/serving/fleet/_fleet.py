@@ -13,9 +13,9 @@ from concurrent.futures import wait as wait_futures
 from pathlib import Path
 from typing import Any
 
-from dew.core import Aborted, Call, Engine, EngineError, SamplingParams
-from dew.core._checks import as_int
-from dew.serving._http_base import LoopEngine
+from dew.core import Aborted, Call, Engine, EngineError, SamplingParams, as_int
+from dew.serving._folders import private_folder, release_folder
+from dew.serving._http_base import FLEET_CONNECT_TIMEOUT, REQUEST_TIMEOUT, LoopEngine
 from dew.serving._requests import make_request
 from dew.serving.fleet._care import Care
 from dew.serving.fleet._parts import (
@@ -36,9 +36,13 @@ from dew.serving.fleet._parts import (
 from dew.serving.fleet._publish import Publish
 from dew.serving.fleet._router import RouterAdmin, RouterProcess
 from dew.serving.http_engine import HTTPEngine
-from dew.serving.weights import private_folder, release_folder
 
 log = logging.getLogger("dew.serving.fleet")
+
+# Seconds a local engine process (or the router) gets to start and listen, at launch and
+# at each restart: it loads a model first, so far more than an engine's STARTUP_TIMEOUT,
+# which waits for a server already started.
+_STARTUP_TIMEOUT = 120.0
 
 
 class EngineFleet(Care, Publish, Engine):
@@ -70,10 +74,10 @@ class EngineFleet(Care, Publish, Engine):
         weights_dir: str | Path | None = None,
         health_interval: float = 1.0,
         max_failures: int = 3,
-        timeout: float = 120.0,
-        connect_timeout: float = 2.0,
+        timeout: float = REQUEST_TIMEOUT,
+        connect_timeout: float = FLEET_CONNECT_TIMEOUT,
         affinity_size: int = 4096,
-        startup_timeout: float = 120.0,
+        startup_timeout: float = _STARTUP_TIMEOUT,
         router: str | None = None,
         engine: str = "dew",
         engine_options: Mapping[str, Any] | None = None,
@@ -181,7 +185,7 @@ class EngineFleet(Care, Publish, Engine):
         seed: int = 0,
         args: Sequence[str] = (),
         env: Mapping[str, str] | None = None,
-        startup_timeout: float = 120.0,
+        startup_timeout: float = _STARTUP_TIMEOUT,
         router: str | None = None,
         engine: str = "dew",
         python: str | Path | None = None,

@@ -10,8 +10,7 @@ from concurrent.futures import wait as wait_futures
 from pathlib import Path
 from typing import Any
 
-from dew.core import EngineError
-from dew.core._checks import as_int
+from dew.core import EngineError, as_int
 from dew.serving.fleet._parts import UP, Member
 
 

@@ -58,9 +58,14 @@ from collections.abc import Awaitable, Callable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from dew.core import Aborted, Call, EngineError, SamplingParams
-from dew.core._checks import as_int
-from dew.serving._http_base import LoopEngine, Pending
+from dew.core import Aborted, Call, EngineError, SamplingParams, as_int
+from dew.serving._http_base import (
+    CONNECT_TIMEOUT,
+    REQUEST_TIMEOUT,
+    STARTUP_TIMEOUT,
+    LoopEngine,
+    Pending,
+)
 from dew.serving._http_client import Pool, TransportError
 from dew.serving._requests import Request
 from dew.serving.vllm.extension import TRANSFER_BACKEND
@@ -115,10 +120,10 @@ class VLLMEngine(LoopEngine):
         on_load: str = "recompute",
         api_key: str | None = None,
         weights_dir: str | Path | None = None,
-        timeout: float = 120.0,
-        connect_timeout: float = 5.0,
+        timeout: float = REQUEST_TIMEOUT,
+        connect_timeout: float = CONNECT_TIMEOUT,
         max_connections: int = 256,
-        startup_timeout: float = 10.0,
+        startup_timeout: float = STARTUP_TIMEOUT,
         poll: float = 0.005,
         run: str | None = None,
         takeover: bool = False,

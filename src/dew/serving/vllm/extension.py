@@ -6,11 +6,11 @@ the server with ``--worker-extension-cls dew.serving.vllm.extension.WorkerExtens
 (and ``VLLM_SERVER_DEV_MODE=1``, which opens ``/collective_rpc``). vLLM mixes the class
 into its worker, so its methods see ``self.model_runner`` and ``self.vllm_config``; the
 trainer's :class:`~dew.serving.vllm.VLLMEngine` calls them through ``/collective_rpc``.
-It imports only torch, safetensors and :mod:`dew.serving.weights` (which needs nothing
-beyond numpy), so a vLLM environment needs dew installed without its dependencies, or
-on its ``PYTHONPATH`` as a launched server has it. Imported where vLLM is installed, it
-registers :mod:`dew.serving.vllm._transfer` under the name ``"dew"`` with vLLM's
-weight-transfer engines, which is how broadcast pushes reach the worker.
+It imports only torch, safetensors, :mod:`dew.serving.weights` and its folders (which
+need nothing beyond numpy), so a vLLM environment needs dew installed without its
+dependencies, or on its ``PYTHONPATH`` as a launched server has it. Imported where vLLM
+is installed, it registers :mod:`dew.serving.vllm._transfer` under the name ``"dew"``
+with vLLM's weight-transfer engines, which is how broadcast pushes reach the worker.
 
 ``dew_load(path, version)`` is all-or-nothing: the file is checked whole (its checksum,
 its version, every name and shape against the checkpoint the server started from)
@@ -36,7 +36,7 @@ not released it (``dew_release``) unless it takes the server over, and a run's f
 push starts its own version sequence (whatever its version; the engine then drops the
 prefix cache, whose keys the old sequence's versions salted).
 Files are read only from ``DEW_VLLM_WEIGHTS_DIR`` (a launched server has it set to the
-fleet's folder), else from :func:`dew.serving.weights.weights_root`, where engines on
+fleet's folder), else from :func:`dew.serving._folders.weights_root`, where engines on
 the machine write by default; only regular files no larger than the model could make.
 """
 
@@ -88,7 +88,8 @@ class WorkerExtension:
         """Serve the weights file ``path`` (written by
         :func:`dew.serving.weights.write_weights`) as ``version`` for ``run``; see the
         module docstring. Returns ``{"version": v}`` or ``{"refused": why}``."""
-        from dew.serving.weights import WeightsError, open_weights, weights_root
+        from dew.serving._folders import weights_root
+        from dew.serving.weights import WeightsError, open_weights
 
         served = self._dew_served()
         want = int(version)

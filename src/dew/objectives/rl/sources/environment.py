@@ -56,6 +56,7 @@ from dew.core import (
     Status,
     Task,
     ThreadedSource,
+    as_int,
     error_text,
     parse_reward,
 )
@@ -119,10 +120,8 @@ class EnvironmentSource(ThreadedSource):
     ) -> None:
         if not callable(make_env):
             raise ValueError("make_env must be callable with no arguments")
-        if isinstance(max_turns, bool) or not isinstance(max_turns, int) or max_turns < 1:
-            raise ValueError(f"max_turns must be an int >= 1, got {max_turns!r}")
-        if isinstance(max_context, bool) or not isinstance(max_context, int) or max_context < 2:
-            raise ValueError(f"max_context must be an int >= 2, got {max_context!r}")
+        max_turns = as_int(max_turns, "max_turns", minimum=1)
+        max_context = as_int(max_context, "max_context", minimum=2)
         # max_len is optional in the engine contract: an engine that knows its context says.
         engine_max = getattr(engine, "max_len", None)
         if engine_max is not None and max_context > engine_max:

@@ -68,6 +68,7 @@ from dew.core import (
     Task,
     ThreadedSession,
     ThreadedSource,
+    as_int,
     cancelled_rollout,
     error_text,
     parse_reward,
@@ -189,10 +190,8 @@ class PromptSource(ThreadedSource):
         # Finished calls of a GroupVerifier's groups, held until the group is in.
         self._gathering: Gathering[RolloutKey, tuple[ThreadedSession, Call]] | None = None
         if isinstance(verifier, GroupVerifier):
-            if group_size is not None and (
-                isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 1
-            ):
-                raise ValueError(f"group_size must be an int >= 1, got {group_size!r}")
+            if group_size is not None:
+                group_size = as_int(group_size, "group_size", minimum=1)
             self._gathering = Gathering(group_size)
         self._gathering_lock = threading.Lock()
 
