@@ -1,9 +1,9 @@
 """One recipe for a training job: the stack is assembled here and nowhere else.
 
-``dew train``, ``dew demo``, the benchmarks and ``dew serve``'s demo model describe
-their job as a :class:`Recipe` (the model, how to build the engine and the source, the
-sampling, the scheduling knobs, the objective, the training and parallel settings) and
-:func:`assemble` builds it, in this order:
+``dew train``, ``dew demo`` and the benchmarks describe their job as a :class:`Recipe`
+(the model, how to build the engine and the source, the sampling, the scheduling knobs,
+the objective, the training and parallel settings) and :func:`assemble` builds it, in
+this order:
 
 1. (:func:`join_pool`, which the entrypoint calls first, to know its rank before it
    writes anything) join the ``torchrun`` job's pool when this process is one of
@@ -42,11 +42,6 @@ from dew.objectives.rl.scheduler import RolloutScheduler
 from dew.train import FitResult, fit
 
 __all__ = ["Job", "Needs", "Recipe", "RecipeError", "SourceParts", "assemble", "join_pool"]
-
-# Seconds a rollout attempt may run before it is cancelled and retried, for the jobs
-# dew's own entrypoints run (SchedulerConfig's library default, None, lets a hung source
-# block the trainer for good).
-ROLLOUT_TIMEOUT = 600.0
 
 
 class RecipeError(ValueError):

@@ -186,6 +186,25 @@ class AheadRollout(PlainRollout):
         return rollout(model, batch, updates=updates)
 
 
+def test_a_rollout_with_part_of_the_protocol_is_refused_naming_what_it_lacks() -> None:
+    class Partial:  # ahead and tasks, but nothing of the rest
+        ahead = 2
+
+        def tasks(self, data: Dataset) -> Dataset:
+            return data
+
+        def __call__(self, model: Any, batch: Batch, *, updates: int) -> Batch:
+            return rollout(model, batch, updates=updates)
+
+    model, opt = parts()
+    lacks = "history, last_tasks, last_errors, restore: subclass dew.train.PlainRollout"
+    with pytest.raises(TypeError, match=f"Partial has ahead, tasks but not {lacks}"):
+        fit(model, opt, dataset(), Partial(), GRPOObjective(), steps=1)
+    # A plain function is taken as a PlainRollout: nothing ahead, its batch's ids trained.
+    result = fit(model, opt, dataset(), rollout, GRPOObjective(), steps=1)
+    assert result.records[0]["tasks"]["trained"]
+
+
 def test_the_reader_stays_ahead_by_the_rollouts_ahead(tmp_path: Path) -> None:
     r = AheadRollout(ahead=2)
     model, opt = parts()

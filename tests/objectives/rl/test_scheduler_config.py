@@ -216,6 +216,21 @@ def test_history_is_read_only_and_restored_through_a_method(
     assert list(s.history) == records[:1]
 
 
+def test_the_scheduler_is_the_trainer_rollout_fit_reads_and_restores_from_step_records(
+    source: ScriptedSource, publisher: RecordingPublisher, made
+) -> None:
+    from dew.train import TrainerRollout
+
+    s = RolloutScheduler(_Objective(), source, publisher, width=16, rows=2)
+    made.append(s)
+    assert isinstance(s, TrainerRollout)
+    kept = [SchedulerRecord(u, u, 0, 1, {"stale": u}, 0, 0, 0, 0.5, {}) for u in range(2)]
+    steps = [{"step": 1, "scheduler": dataclasses.asdict(kept[0])}, {"step": 2}]
+    steps.append({"step": 3, "scheduler": dataclasses.asdict(kept[1])})
+    s.restore(steps)  # fit's step records: only those with a scheduler record count
+    assert list(s.history) == kept
+
+
 def test_scheduler_module_keeps_only_the_reference_names() -> None:
     assert set(scheduler_module.__all__) == {
         "Publisher",
