@@ -11,6 +11,8 @@ import pytest
 from ._tiny import BENCH, run_tiny
 
 
+# Slow step: a whole benchmark run, which make test's ten minutes cannot spare.
+@pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_schedule_bench_tiny():
     out = run_tiny("schedule.py", timeout=170)

@@ -108,6 +108,8 @@ def _figures(text: str) -> list[str]:
     return [line for line in text.splitlines() if line.startswith(("###", "|", "- "))]
 
 
+# Slow step: a whole benchmark run, which make test's ten minutes cannot spare.
+@pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_vs_trl_bench_tiny(tmp_path: Path) -> None:
     out = run_tiny("vs_trl.py", 150, "--latency", "0.01", "--save", str(tmp_path))
