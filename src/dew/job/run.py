@@ -359,13 +359,12 @@ def _train(
     from dew.recipe import RecipeError, assemble
 
     config, tokenizer, rows = prepared.config, prepared.tokenizer, prepared.rows
-    rank = 0 if pool is None else pool.rank
     rewards = RewardPool(prepared.rewards)  # no process until the first call
     try:
         job = assemble(_recipe(prepared, run, rewards), stack, pool)
     except RecipeError as exc:
         raise _config_error(exc) from None
-    model, scheduler, sampling = job.model, job.scheduler, job.needs.sampling
+    model, scheduler, sampling, rank = job.model, job.scheduler, job.needs.sampling, job.rank
     done = _steps_done(run, pool) if resume else 0
     log = [
         _lr_schedule(job.optimizer, config, done),
