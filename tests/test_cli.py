@@ -148,3 +148,21 @@ def test_demo_errors_are_one_line_exit_2_and_leave_nothing(tmp_path: Path) -> No
     (run / "checkpoints").mkdir()  # a resume that finds nothing to resume
     assert "no checkpoint to resume (the folder is empty)" in refused("--resume", str(run))
     assert sorted(p.name for p in run.iterdir()) == ["checkpoints", "config.json"]
+
+
+@pytest.mark.timeout(120)
+def test_demo_scheduling_flags_reach_the_scheduler(tmp_path: Path) -> None:
+    import json
+
+    from dew.cli import main
+
+    run = tmp_path / "run"
+    flags = ["--ahead", "2", "--max-lag", "3", "--oversample", "1", "--admit", "1"]
+    argv = ["demo", "--steps", "2", "--batch-size", "2", "--no-progress", "--run-dir", str(run)]
+    assert main([*argv, *flags]) == 0
+    config = json.loads((run / "config.json").read_text())
+    assert [config[k] for k in ("ahead", "max_lag", "oversample", "admit")] == [2, 3, 1, 1]
+    records = [json.loads(line) for line in (run / "records.jsonl").read_text().splitlines()]
+    policy = records[-1]["profile"]["policy"]
+    assert [policy[k] for k in ("ahead", "max_lag", "oversample", "admit")] == [2, 3, 1, 1]
+    assert records[-1]["scheduler"]["groups"] == 1  # admit 1 of the batch's 2 tasks

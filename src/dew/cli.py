@@ -36,6 +36,10 @@ def _demo(args: argparse.Namespace) -> int:
             "engines",
             "harness_processes",
             "tensor",
+            "ahead",
+            "max_lag",
+            "oversample",
+            "admit",
         )
         if getattr(args, name) is not None
     }
@@ -117,6 +121,18 @@ def parser() -> argparse.ArgumentParser:
         help="under torchrun: processes that split each layer (tensor parallelism); the "
         "others form the data axis, along which the model is sharded (default 1)",
     )
+    demo.add_argument(
+        "--ahead", type=int, default=None, help="task batches in flight ahead of the trainer"
+    )
+    demo.add_argument(
+        "--max-lag", type=int, default=None, help="oldest weights a trained rollout may use"
+    )
+    demo.add_argument(
+        "--oversample", type=int, default=None, help="extra samples per group; the slowest are cut"
+    )
+    demo.add_argument(
+        "--admit", type=int, default=None, help="groups admitted per step; the rest are cut"
+    )
     demo.add_argument("--no-progress", action="store_true", help="no progress bar")
     demo.set_defaults(run=_demo)
 
@@ -168,11 +184,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         from dew.job.cli import main as train_main
 
         with _terminate_as_interrupt():
-            return train_main(argv[1:])
+            return train_main(argv[1:], choose=_choose_policy)
     args = parser().parse_args(argv)
     run: Callable[[argparse.Namespace], int] = args.run
     with _terminate_as_interrupt():
         return run(args)
+
+
+def _choose_policy(run: object, *, skip: int) -> object:
+    """The planner's choice for ``dew train``'s ``scheduler.policy = "auto"`` (the job
+    package stands below the planner, so the command hands it over)."""
+    from dew.plan.auto import choose_policy
+
+    return choose_policy(run, skip=skip)  # type: ignore[arg-type]
 
 
 @contextmanager

@@ -135,6 +135,10 @@ class TrainerRollout(Protocol):
     checkpoint's step records. ``last_tasks``: the last call's task ids by outcome
     (``trained``, ``abandoned``, ...). ``last_errors``: its latest failed attempts,
     ``"key: cause: error"``, kept in the step's record as ``errors``.
+
+    One member is optional and not checked: ``last_profile``, a JSON-able mapping of the
+    last call's profile (the scheduler's: :mod:`dew.objectives.rl.profile`), kept in the
+    step's record as ``profile`` for ``dew plan --from-run``.
     """
 
     @property
@@ -465,6 +469,9 @@ def _account(record: Record, rollout: TrainerRollout, seen: int, batch: Batch) -
     history = rollout.history
     if len(history) > seen:
         record["scheduler"] = _jsonable(history[-1])
+        profile = getattr(rollout, "last_profile", None)  # optional: the planner's inputs
+        if profile:
+            record["profile"] = profile
     if rollout.last_tasks:
         record["tasks"] = {k: list(v) for k, v in rollout.last_tasks.items()}
     elif "task_id" in batch:

@@ -214,3 +214,46 @@ def test_verifier_latencies_are_seeded_per_rollout():
     for name in ("latency", "latency_sigma"):
         with pytest.raises(ValueError, match=name):
             Scenario.relative("tail", 4, 4, 1.0, **{name: -0.1})
+
+
+def test_a_fleet_model_routes_a_group_to_one_engine_and_runs_its_engines_side_by_side():
+    from dew.core import RolloutKey
+    from dew.plan._engine import FleetModel
+
+    cfg = EngineConfig(a=1.0, b=0.0, max_active=4)
+    fleet = FleetModel([cfg, cfg])
+    for s in range(3):  # group 0: all on the first engine (the least loaded at its start)
+        fleet.add(RolloutKey(0, s, 0), 2)
+    fleet.add(RolloutKey(1, 0, 0), 4)  # group 1: the other engine, now the least loaded
+    first, second = fleet.engines
+    assert (first.active, second.active) == (3, 1)
+    fleet.add(RolloutKey(0, 3, 0), 1)  # affinity wins over load
+    assert (first.active, second.active) == (4, 1)
+    done = fleet.advance(10.0)
+    assert [(k.group, k.sample, t) for k, t, _ in done] == [
+        (0, 3, 1.0),
+        (0, 0, 2.0),
+        (0, 1, 2.0),
+        (0, 2, 2.0),
+        (1, 0, 4.0),
+    ]
+    assert fleet.now == 10.0 and first.now == second.now == 10.0
+    assert fleet.generated == pytest.approx(11.0)
+    assert fleet.cancel(RolloutKey(5, 0, 0)) is None
+
+
+def test_two_engines_plan_as_one_engine_of_twice_the_slots_would_on_a_wide_batch():
+    p = LengthPreset("flat", math.log(50.0), 0.0, 0.0, 1000)
+    engine = EngineConfig(a=1e-3, b=0.0, max_active=8)
+    one = plan(
+        SchedulerConfig.tight(ahead=0), Scenario(p, 8, 4, T=0.0, steps=4, warmup=1, engine=engine)
+    )
+    two = plan(
+        SchedulerConfig.tight(ahead=0),
+        Scenario(p, 8, 4, T=0.0, steps=4, warmup=1, engine=engine, engines=2),
+    )
+    # 32 samples of 50 tokens: one engine of 8 slots runs 4 waves, two run 2 each
+    assert one.step_time == pytest.approx(4 * 50 * 1e-3)
+    assert two.step_time == pytest.approx(2 * 50 * 1e-3)
+    with pytest.raises(ValueError, match="engines=0"):
+        Scenario(p, 8, 4, T=0.0, engines=0)

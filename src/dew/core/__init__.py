@@ -9,7 +9,10 @@
   stopped request;
 * :class:`ThreadedSource`, the base for sources written as blocking Python, and the
   reward parsing every source applies (:func:`parse_reward`);
-* the argument checks every layer shares: :func:`as_int`, :func:`is_real`.
+* the argument checks every layer shares: :func:`as_int`, :func:`is_real`;
+* the sketches a run's profile is made of (:mod:`dew.core.sketch`): :class:`LogHistogram`,
+  :class:`IterationLog`, :class:`EngineTimings`, and :class:`Timed`, an engine that
+  reports its iteration timings.
 
 Serving (engines), sources and the gateway build on this package and never on each
 other (``tests/test_layers.py`` checks the import graph).
@@ -27,6 +30,7 @@ from dew.core.engine import (
     scored_temperature,
 )
 from dew.core.outcome import error_text, parse_reward
+from dew.core.sketch import EngineTimings, IterationLog, LogHistogram, Timed
 from dew.core.threaded import ThreadedSession, ThreadedSource
 from dew.core.types import (
     Call,
@@ -45,6 +49,9 @@ __all__ = [
     "Call",
     "Engine",
     "EngineError",
+    "EngineTimings",
+    "IterationLog",
+    "LogHistogram",
     "Publisher",
     "Rollout",
     "RolloutKey",
@@ -55,6 +62,7 @@ __all__ = [
     "Task",
     "ThreadedSession",
     "ThreadedSource",
+    "Timed",
     "Variables",
     "as_int",
     "cancelled_rollout",

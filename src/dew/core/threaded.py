@@ -30,6 +30,7 @@ from concurrent.futures import CancelledError, Future
 from functools import partial
 
 from dew.core._checks import as_int
+from dew.core.sketch import LogHistogram
 from dew.core.types import Rollout, RolloutKey, Session, Status, Task, cancelled_rollout
 
 __all__ = ["ThreadedSession", "ThreadedSource"]
@@ -45,6 +46,7 @@ class ThreadedSession:
         self.key = key
         self.stop = threading.Event()
         self.stopped_at: float | None = None  # time.monotonic() of the first cancel()
+        self.generated: float | None = None  # time.monotonic() the engine finished, if kept
         self._future: Future[Rollout] = Future()
         self._lock = threading.Lock()
         self._callbacks: list[Callable[[Session], None]] = []
@@ -117,6 +119,10 @@ class ThreadedSource:
     A subclass that resolves sessions itself (say, from an engine's future, so that
     no thread waits on a generation) opens them with :meth:`begin` and resolves them
     with :meth:`settle` or :meth:`settle_on_pool`.
+
+    ``outside`` is a :class:`~dew.core.LogHistogram` of the seconds each rollout spent
+    outside the engine (its verifier, its tools, its environment), for the run's
+    profile; a subclass adds one value per scored rollout.
     """
 
     def __init__(self, *, workers: int = 8, stuck_after: float = 10.0) -> None:
@@ -129,6 +135,7 @@ class ThreadedSource:
             raise ValueError(f"stuck_after must be > 0 seconds, got {stuck_after!r}")
         self.workers = workers
         self.stuck_after = float(stuck_after)
+        self.outside = LogHistogram()
         self._pool = _Workers(workers, type(self).__name__)
         self._lock = threading.Lock()
         self._live: set[ThreadedSession] = set()

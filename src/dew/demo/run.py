@@ -79,6 +79,7 @@ class DemoConfig:
     ahead: int = _SCHEDULER.ahead
     max_lag: int = _SCHEDULER.max_lag
     oversample: int = _SCHEDULER.oversample
+    admit: int | None = _SCHEDULER.admit
     truncation: str = _SCHEDULER.truncation  # type: ignore[assignment]
     estimator: str = _SCHEDULER.estimator  # type: ignore[assignment]
     clip_high: float | None = None  # DAPO's clip-higher: keeps exploration alive
@@ -132,6 +133,7 @@ class DemoConfig:
         return SchedulerConfig(
             groups=self.group_size,
             oversample=self.oversample,
+            admit=self.admit,
             ahead=self.ahead,
             max_lag=self.max_lag,
             truncation=self.truncation,

@@ -16,8 +16,9 @@ import argparse
 import os
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 __all__ = ["main"]
 
@@ -42,7 +43,9 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def main(argv: Sequence[str] | None = None, *, choose: Callable[..., Any] | None = None) -> int:
+    """``dew train``; ``choose``: the planner's choice for ``scheduler.policy = "auto"``
+    (see :func:`dew.job.run.train`)."""
     p = parser()
     args, overrides = p.parse_known_args(argv)
     if args.fields:
@@ -66,7 +69,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         from dew.job.run import prepare, train
 
         prepared = prepare(config, resume=args.resume)
-        train(prepared, resume=args.resume, progress=not args.no_progress)
+        train(prepared, resume=args.resume, progress=not args.no_progress, choose=choose)
     except (ConfigError, CheckpointError) as exc:  # the config or the run folder at fault
         print(f"dew train: error: {exc}", file=sys.stderr)
         return 2

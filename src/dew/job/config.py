@@ -253,13 +253,36 @@ JOB_ROLLOUT_TIMEOUT = 600.0
 # its verifier's reward, and training on it ("score") is what that reward is for. The
 # library's default ("mask") is for agentic limits, where a cut episode has no verdict.
 JOB_TRUNCATION = "score"
-SchedulerSection = create_model(
-    "SchedulerSection",
+_SchedulerKnobs = create_model(
+    "_SchedulerKnobs",
     __base__=_from_dataclass(SchedulerConfig, "_Knobs", skip=("estimator", "truncation")),
     estimator=(str, SchedulerConfig.estimator),
     truncation=(str, JOB_TRUNCATION),
     timeout=(float | None, JOB_ROLLOUT_TIMEOUT),
 )
+# The fewest probe steps "auto" takes: a quarter are left out while the pipeline fills,
+# and the planner's fit needs five more.
+MIN_PROBE_STEPS = 8
+
+
+class SchedulerSection(_SchedulerKnobs):  # type: ignore[valid-type, misc]
+    # "auto": the first probe_steps steps run with the knobs above, then the run goes on
+    # with the planner's choice (dew plan --from-run on its own records; see plan.json)
+    policy: Literal["fixed", "auto"] = "fixed"
+    probe_steps: int = 20  # policy "auto": steps run before the planner chooses
+
+    @field_validator("probe_steps")
+    @classmethod
+    def _enough(cls, value: int) -> int:
+        if value < MIN_PROBE_STEPS:
+            raise ValueError(
+                f"must be >= {MIN_PROBE_STEPS} (the planner fits the steps after a quarter of them)"
+            )
+        return value
+
+    def knobs(self) -> dict[str, Any]:
+        """The fields that are SchedulerConfig's."""
+        return self.model_dump(exclude={"policy", "probe_steps"})
 
 
 # Under torchrun: the pool's mesh and bounds, as dew.pool.init_pool takes them.
@@ -273,7 +296,7 @@ class JobConfig(Section):
     data: DataSection
     rewards: tuple[RewardSection, ...]
     sampling: SamplingSection  # type: ignore[valid-type]
-    scheduler: SchedulerSection = SchedulerSection()  # type: ignore[valid-type]
+    scheduler: SchedulerSection = SchedulerSection()
     objective: ObjectiveSection = ObjectiveSection()  # type: ignore[valid-type]
     training: TrainingSection
     engine: EngineSection = EngineSection()
@@ -303,11 +326,21 @@ class JobConfig(Section):
             )
         return self
 
+    @model_validator(mode="after")
+    def _probe_fits(self) -> JobConfig:
+        probe = self.scheduler.probe_steps
+        if self.scheduler.policy == "auto" and probe >= self.training.steps:
+            raise ValueError(
+                f"scheduler.probe_steps: {probe} probe steps leave none of training.steps "
+                f"= {self.training.steps} to run the planner's choice"
+            )
+        return self
+
     def sampling_params(self) -> SamplingParams:
         return SamplingParams(**self.sampling.model_dump())  # type: ignore[attr-defined]
 
     def scheduler_config(self) -> SchedulerConfig:
-        return SchedulerConfig(**self.scheduler.model_dump())  # type: ignore[attr-defined]
+        return SchedulerConfig(**self.scheduler.knobs())
 
     def grpo_objective(self, reference: Any = None) -> GRPOObjective:
         """The objective; ``reference``: the frozen model of ``objective.kl_coef``."""

@@ -19,11 +19,13 @@ bounded by its ``timeout``), for training and evaluation alike.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import math
 import os
 import shutil
 import sys
+from collections.abc import Callable
 from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
@@ -142,13 +144,23 @@ def _probe(
         )
 
 
-def train(prepared: Prepared, *, resume: bool = False, progress: bool = True) -> Any:
+def train(
+    prepared: Prepared,
+    *,
+    resume: bool = False,
+    progress: bool = True,
+    choose: Callable[..., Any] | None = None,
+) -> Any:
     """Train as ``prepared.config`` says; returns :class:`dew.train.FitResult`.
 
     Under ``torchrun`` every process runs this: the model is sharded on the pool's
     mesh (``[parallel]``), each process of the data axis reads its share of every
     step's ``training.tasks``, checkpoints are the pool's sharded ones, and rank 0
     alone writes the run folder's shared files, the progress bar and the exports.
+
+    ``choose`` is the planner's choice of a policy for ``scheduler.policy = "auto"``
+    (:func:`dew.plan.auto.choose_policy`, which ``dew train`` hands over: the planner
+    stands a floor above this package).
     """
     config = prepared.config
     run = Path(config.output.run_dir)
@@ -176,7 +188,14 @@ def train(prepared: Prepared, *, resume: bool = False, progress: bool = True) ->
                         (run / "skipped_rows.json").write_text(json.dumps(skipped, indent=1))
                 except OSError as exc:
                     raise ConfigError(f"output.run_dir: {run} cannot be written: {exc}") from None
-            return _train(prepared, run, pool, stack, resume=resume, progress=progress)
+            if config.scheduler.policy == "fixed":
+                steps = config.training.steps
+                return _train(
+                    prepared, run, pool, stack, resume=resume, progress=progress, steps=steps
+                )
+            _check_auto(pool, choose)
+            assert choose is not None
+            return _auto(prepared, run, stack, choose, resume=resume, progress=progress)
     except ConfigError:
         if fresh:  # refused before it trained: a folder this call made leaves with it
             shutil.rmtree(run, ignore_errors=True)
@@ -353,8 +372,69 @@ def _lora(config: JobConfig) -> Any:
     return wrap
 
 
+def _check_auto(pool: Any, choose: Callable[..., Any] | None) -> None:
+    if choose is None:
+        raise ConfigError(
+            'scheduler.policy: "auto" needs the planner, which `dew train` hands over (from '
+            "Python: train(..., choose=dew.plan.auto.choose_policy))"
+        )
+    if pool is not None:
+        raise ConfigError(
+            'scheduler.policy: "auto" runs on one process only: under torchrun each process '
+            "would fit its own share of the records"
+        )
+
+
+def _auto(
+    prepared: Prepared,
+    run: Path,
+    stack: ExitStack,
+    choose: Callable[..., Any],
+    *,
+    resume: bool,
+    progress: bool,
+) -> Any:
+    """``scheduler.policy = "auto"``: the probe steps with the config's knobs, the
+    planner's choice from their records (kept in ``plan.json``), then the rest of the
+    steps with it, resumed from the probe's last checkpoint. Only the knobs
+    (``ahead``, ``max_lag``, ``oversample``, ``admit``) change, so the resume is exact.
+    A probe the planner cannot fit leaves the config's knobs, saying why."""
+    config = prepared.config
+    probe = config.scheduler.probe_steps
+    chosen = run / "plan.json"
+    if not chosen.is_file():
+        if not resume or _steps_done(run, None) < probe:
+            with ExitStack() as probing:  # its engines stop before the chosen run starts
+                _train(prepared, run, None, probing, resume=resume, progress=progress, steps=probe)
+        try:
+            adoption = choose(run, skip=probe // 4).to_json()
+        except ValueError as exc:  # the records could not be fitted
+            adoption = {"policy": None, "knobs": {}, "reason": [f"not fitted: {exc}"]}
+        adoption["probe_steps"] = probe
+        chosen.write_text(json.dumps(adoption, indent=1))
+        for line in adoption["reason"]:
+            print(f"dew train: plan: {line}", file=sys.stderr, flush=True)
+        if adoption["policy"] is None:
+            _report.say("the planner could not choose a policy: the config's knobs go on")
+        resume = True
+    adoption = json.loads(chosen.read_text())
+    scheduler = config.scheduler.model_copy(update=adoption["knobs"])
+    adopted = dataclasses.replace(
+        prepared, config=config.model_copy(update={"scheduler": scheduler})
+    )
+    steps = config.training.steps
+    return _train(adopted, run, None, stack, resume=resume, progress=progress, steps=steps)
+
+
 def _train(
-    prepared: Prepared, run: Path, pool: Any, stack: ExitStack, *, resume: bool, progress: bool
+    prepared: Prepared,
+    run: Path,
+    pool: Any,
+    stack: ExitStack,
+    *,
+    resume: bool,
+    progress: bool,
+    steps: int,
 ) -> Any:
     from dew.recipe import RecipeError, assemble
 
@@ -410,11 +490,11 @@ def _train(
         from dew._progress import progress_bar
 
         # A resumed run's bar starts where its checkpoint is.
-        update, bar = progress_bar(config.training.steps, done, "dew train")
+        update, bar = progress_bar(steps, done, "dew train")
         stack.callback(bar.close)
         log.append(update)
     result = job.fit(
-        steps=config.training.steps,
+        steps=steps,
         run_dir=run,
         checkpoint_every=config.output.checkpoint_every,
         keep=config.output.keep,
@@ -426,7 +506,8 @@ def _train(
         config=config.model_dump(mode="json"),
         freeze_gc=True,
     )
-    export(model, tokenizer, run / "export", config, pool)
+    if steps == config.training.steps:  # not after an "auto" policy's probe
+        export(model, tokenizer, run / "export", config, pool)
     return result
 
 

@@ -21,6 +21,12 @@ completion cancels or starts several requests at once, and this fills once for a
 
 No threads, no clock: the planner jumps from event to event with it, and the
 simulated source advances it to the scaled wall clock under its own lock.
+
+:class:`FleetModel` stands for several such engines behind one front, routed the way
+an ``EngineFleet`` routes: every request of one group goes to the engine its group's
+first request went to, and that one is the engine with the least work (active plus
+queued) at the time. Its clocks move together: it advances every engine to the
+earliest next completion among them.
 """
 
 from __future__ import annotations
@@ -31,7 +37,7 @@ from collections import deque
 from collections.abc import Hashable
 from dataclasses import dataclass
 
-__all__ = ["EngineConfig", "EngineModel"]
+__all__ = ["EngineConfig", "EngineModel", "FleetModel"]
 
 
 @dataclass(frozen=True)
@@ -193,8 +199,103 @@ class EngineModel:
         self._unfilled = True
         return seq.key, self.now, seq.version
 
+    def wait_until(self, to: float) -> None:
+        """Move time to ``to``, which no completion comes strictly before (the caller
+        knows: a fleet moving its other engines to one engine's completion). A sequence
+        due exactly at ``to`` stays due, for the next read."""
+        if self._unfilled:
+            self._fill()
+        if to <= self.now:
+            return
+        if self._active:
+            step = (to - self.now) * self._rate
+            self.generated += len(self._active) * step
+            self.progress += step
+        self.now = to
+
     def advance(self, to: float) -> list[tuple[Hashable, float, int]]:
         """Move time to ``to``; completions on the way as ``(key, time, version)``."""
+        done: list[tuple[Hashable, float, int]] = []
+        while (completion := self.next_until(to)) is not None:
+            done.append(completion)
+        return done
+
+
+class FleetModel:
+    """Several :class:`EngineModel` engines behind one front (see the module docstring).
+
+    Keys are :class:`~dew.core.RolloutKey`-like: their ``group`` is the routing affinity.
+    The interface is the one engine's that the planner uses.
+    """
+
+    def __init__(self, configs: list[EngineConfig], now: float = 0.0) -> None:
+        if not configs:
+            raise ValueError("a fleet model needs at least one engine")
+        self.engines = [EngineModel(c, now) for c in configs]
+        self._where: dict[Hashable, EngineModel] = {}
+        self._affinity: dict[Hashable, EngineModel] = {}
+
+    @property
+    def now(self) -> float:
+        return self.engines[0].now
+
+    @property
+    def served(self) -> int:
+        return self.engines[0].served
+
+    @served.setter
+    def served(self, version: int) -> None:
+        for e in self.engines:
+            e.served = version
+
+    @property
+    def generated(self) -> float:
+        return sum(e.generated for e in self.engines)
+
+    @property
+    def active(self) -> int:
+        return sum(e.active for e in self.engines)
+
+    def add(self, key: Hashable, length: int) -> None:
+        group = getattr(key, "group", key)
+        engine = self._affinity.get(group)
+        if engine is None:
+            engine = min(self.engines, key=lambda e: e.active + e.queued)
+            self._affinity[group] = engine
+        engine.add(key, length)
+        self._where[key] = engine
+
+    def cancel(self, key: Hashable) -> tuple[float, int | None] | None:
+        engine = self._where.pop(key, None)
+        return None if engine is None else engine.cancel(key)
+
+    def _first(self) -> tuple[float, EngineModel | None]:
+        best, first = math.inf, None
+        for e in self.engines:
+            t = e.next_completion()
+            if t is not None and t < best:
+                best, first = t, e
+        return best, first
+
+    def next_completion(self) -> float | None:
+        best, first = self._first()
+        return None if first is None else best
+
+    def next_until(self, to: float) -> tuple[Hashable, float, int] | None:
+        best, first = self._first()
+        if first is None or best > to:
+            for e in self.engines:
+                e.next_until(to)  # none completes by ``to``: each only moves its clock
+            return None
+        for e in self.engines:
+            if e is not first:
+                e.wait_until(best)
+        done = first.next_until(best)
+        assert done is not None
+        self._where.pop(done[0], None)
+        return done
+
+    def advance(self, to: float) -> list[tuple[Hashable, float, int]]:
         done: list[tuple[Hashable, float, int]] = []
         while (completion := self.next_until(to)) is not None:
             done.append(completion)

@@ -102,15 +102,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     ap.add_argument(
         "--preset",
-        default="dapo",
+        default=None,
         choices=sorted(PRESETS),
         help="rollout-length distribution fitted to published traces (default: dapo)",
     )
-    ap.add_argument("--tasks", type=int, default=64, help="tasks per batch (default: 64)")
-    ap.add_argument("--group", type=int, default=8, help="samples per task (default: 8)")
+    ap.add_argument("--tasks", type=int, default=None, help="tasks per batch (default: 64)")
+    ap.add_argument("--group", type=int, default=None, help="samples per task (default: 8)")
     ap.add_argument(
         "--T",
-        default="1x",
+        default=None,
         help="trainer seconds per step; 'Nx' means N times one batch's generation time at "
         "full engine throughput (default: 1x)",
     )
@@ -126,31 +126,31 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     ap.add_argument("--seed", type=int, default=0, help="seed of the sampled lengths")
     ap.add_argument(
-        "--a", type=float, default=4.5e-3, help="engine seconds per iteration (default: 4.5e-3)"
+        "--a", type=float, default=None, help="engine seconds per iteration (default: 4.5e-3)"
     )
     ap.add_argument(
         "--b",
         type=float,
-        default=0.04e-3,
+        default=None,
         help="engine seconds per active sequence per iteration (default: 4e-5)",
     )
     ap.add_argument(
         "--max-active",
         type=int,
-        default=256,
+        default=None,
         help="sequences the engine runs at once (default: 256)",
     )
     ap.add_argument(
         "--latency",
         type=float,
-        default=0.0,
+        default=None,
         help="median seconds from a rollout's last token to its score, drawn per rollout "
         "from a lognormal (default: 0, scored at once)",
     )
     ap.add_argument(
         "--latency-sigma",
         type=float,
-        default=0.0,
+        default=None,
         help="sigma of that lognormal (default: 0, every rollout waits --latency)",
     )
     ap.add_argument(
@@ -160,7 +160,87 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="the recommended policy's mean admitted length stays within this share of "
         "the drawn mean (default: 0.02)",
     )
+    ap.add_argument(
+        "--from-run",
+        default=None,
+        metavar="RUN",
+        help="fit the model to a run folder's step records instead of --preset, --tasks, "
+        "--group, --T, --a, --b, --max-active and --latency (see dew.plan.fit)",
+    )
+    ap.add_argument(
+        "--skip-steps",
+        type=int,
+        default=3,
+        help="with --from-run: first steps left out of the fit (default: 3)",
+    )
     args = ap.parse_args(argv)
+    if args.from_run is not None:
+        return _from_run(ap, args)
+    for name, default in _MODEL_DEFAULTS.items():
+        if getattr(args, name) is None:
+            setattr(args, name, default)
+    try:
+        return _from_flags(args)
+    except ValueError as exc:
+        ap.error(str(exc))
+    return 2
+
+
+# The model's flags, left None by the parser so that --from-run can refuse them.
+_MODEL_DEFAULTS = {
+    "preset": "dapo",
+    "tasks": 64,
+    "group": 8,
+    "T": "1x",
+    "a": 4.5e-3,
+    "b": 0.04e-3,
+    "max_active": 256,
+    "latency": 0.0,
+    "latency_sigma": 0.0,
+}
+
+
+def _policies(args: argparse.Namespace, tasks: int, group: int) -> list[SchedulerConfig]:
+    if not args.policies:
+        return default_policies(tasks, group)
+    return [parse_policy(x, tasks, group) for x in args.policies.split(";") if x.strip()]
+
+
+def _from_run(ap: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from dew.plan._from_run import fit_lines, overrides, rank, table
+    from dew.plan.fit import RunError, fit_run, run_config
+
+    given = [f"--{k.replace('_', '-')}" for k in _MODEL_DEFAULTS if getattr(args, k) is not None]
+    if given:
+        ap.error(f"--from-run fits {', '.join(given)} from the run's records; drop them")
+    try:
+        fit = fit_run(args.from_run, skip=args.skip_steps)
+        policies = _policies(args, fit.tasks, fit.group)
+    except (RunError, ValueError) as exc:
+        print(f"dew plan: error: {exc}", file=sys.stderr)
+        return 2
+    print("\n".join(fit_lines(fit)))
+    ranked = rank(
+        fit, policies, max_bias=args.max_bias, steps=args.steps, warmup=args.warmup, seed=args.seed
+    )
+    print("\n".join(table(ranked, fit)))
+    best, f = ranked.best, ranked.best_figures
+    run = Path(args.from_run)
+    kind, config = run_config(run if run.is_dir() else run.parent)
+    line = f"--task {config['task']}" if kind == "demo" and "task" in config else ""
+    print(
+        f"recommended: {best.name}: {f.fraction:.2f} of the limit, {f.samples_per_s:.3g} "
+        f"samples/s ({f.samples_per_s / ranked.own.samples_per_s:.2f}x this run's policy as "
+        f"planned), lag {f.lag:.2f}, length bias {f.length_bias:.3f}"
+    )
+    for k in [kind] if kind else ["demo", "train"]:
+        print(f"  run it: {overrides(best, k, line)}")
+    return 0
+
+
+def _from_flags(args: argparse.Namespace) -> int:
     engine = EngineConfig(args.a, args.b, args.max_active)
     p = preset(args.preset)
     gen = generation_time(p, args.tasks, args.group, engine)
@@ -177,11 +257,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         latency=args.latency,
         latency_sigma=args.latency_sigma,
     )
-    pols = (
-        [parse_policy(x, args.tasks, args.group) for x in args.policies.split(";") if x.strip()]
-        if args.policies
-        else default_policies(args.tasks, args.group)
-    )
+    pols = _policies(args, args.tasks, args.group)
     print(
         f"{args.preset}: {args.tasks} tasks x {args.group}, T = {T:.3g} s, one batch at full "
         f"throughput ({engine.full_throughput:,.0f} tokens/s) = {gen:.3g} s"

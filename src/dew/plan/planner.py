@@ -12,7 +12,9 @@ The model has three parts and no threads or clock: simulated time jumps from one
 event (a completion, a trainer step ending) to the next.
 
 * The engine: :class:`dew.plan._engine.EngineModel`, one continuous-batching engine
-  whose iteration takes ``a + b * active`` seconds, FIFO queue, ``max_active`` slots.
+  whose iteration takes ``a + b * active`` seconds, FIFO queue, ``max_active`` slots;
+  with ``engines > 1``, a :class:`~dew.plan._engine.FleetModel` of that many, routed
+  by group as a fleet routes.
 * The policy: the scheduler's own admission state machine
   (:class:`dew.objectives.rl.admission.Admission`), fed the same events the real
   driver feeds it. The plan therefore follows every rule the scheduler follows
@@ -56,7 +58,7 @@ from dew.core import Call, RolloutKey, Status, Task
 from dew.core.types import simulated_rollout
 from dew.objectives.rl.admission import Admission, Cancel, Consumed, Start
 from dew.objectives.rl.config import SchedulerConfig
-from dew.plan._engine import EngineConfig, EngineModel
+from dew.plan._engine import EngineConfig, EngineModel, FleetModel
 from dew.plan._trace import BatchLedger, Figures, StepTrace, Trace, summarize
 from dew.plan.presets import LengthDraws, LengthPreset, preset
 
@@ -91,6 +93,7 @@ class Scenario:
     engine: EngineConfig = field(default_factory=EngineConfig)
     latency: float = 0.0  # median seconds from a rollout's last token to its score
     latency_sigma: float = 0.0  # sigma of the lognormal verifier latency
+    engines: int = 1  # identical engines behind a fleet's routing (FleetModel)
 
     def __post_init__(self) -> None:
         for name in ("latency", "latency_sigma"):
@@ -101,6 +104,8 @@ class Scenario:
             raise ValueError(f"tasks={self.tasks} and group={self.group} must be >= 1")
         if not (self.T >= 0 and math.isfinite(self.T)):
             raise ValueError(f"T={self.T}: must be a finite number of seconds >= 0")
+        if self.engines < 1:
+            raise ValueError(f"engines={self.engines}: must be >= 1")
         if not 0 <= self.warmup < self.steps:
             raise ValueError(f"warmup={self.warmup}: must be in [0, steps={self.steps})")
 
@@ -110,6 +115,11 @@ class Scenario:
         p = preset(preset_name)
         engine = kw.get("engine", EngineConfig())
         return cls(p, tasks, group, t_ratio * generation_time(p, tasks, group, engine), **kw)
+
+    @property
+    def full_throughput(self) -> float:
+        """Tokens per second with every slot of every engine busy."""
+        return self.engine.full_throughput * self.engines
 
     def draws(self) -> LengthDraws:
         return LengthDraws(self.preset, self.seed, quantum=self.quantum)
@@ -138,17 +148,20 @@ class _Latencies:
 _MEAN_LENGTH: dict[LengthPreset, float] = {}
 
 
-def generation_time(p: LengthPreset, tasks: int, group: int, engine: EngineConfig) -> float:
-    """Seconds a saturated engine takes for ``tasks x group`` samples of mean length."""
+def generation_time(
+    p: LengthPreset, tasks: int, group: int, engine: EngineConfig, engines: int = 1
+) -> float:
+    """Seconds ``engines`` saturated engines take for ``tasks x group`` samples of mean
+    length."""
     if p not in _MEAN_LENGTH:
         _MEAN_LENGTH[p] = p.mean_length()
-    return tasks * group * _MEAN_LENGTH[p] / engine.full_throughput
+    return tasks * group * _MEAN_LENGTH[p] / (engine.full_throughput * engines)
 
 
 def limit_steps(scenario: Scenario, draws: LengthDraws) -> list[float]:
     """Per step, ``max(T, nominal batch tokens / full throughput)``."""
     tasks, group = scenario.tasks, scenario.group
-    full = scenario.engine.full_throughput
+    full = scenario.full_throughput
     return [
         max(scenario.T, draws.first_tokens(k * tasks, tasks, group) / full)
         for k in range(scenario.steps)
@@ -176,7 +189,9 @@ class _Run:
         self.config = policy_for(policy, sc)
         self.adm = Admission(self.config)
         self.served: int | None = None
-        self.engine = EngineModel(sc.engine)
+        self.engine: EngineModel | FleetModel = (
+            EngineModel(sc.engine) if sc.engines == 1 else FleetModel([sc.engine] * sc.engines)
+        )
         self.draws = sc.draws()
         self.latencies = _Latencies(sc, self.draws.block)
         # rollouts generated and being scored: (time scored, tiebreak, key, version)
@@ -335,7 +350,7 @@ def simulate(policy: SchedulerConfig, scenario: Scenario) -> Trace:
             batches=dict(run.ledgers),
             limit_steps=limit_steps(scenario, run.draws),
             nominal_samples=scenario.tasks * scenario.group,
-            full_throughput=scenario.engine.full_throughput,
+            full_throughput=scenario.full_throughput,
             generated_at_start=0.0,
         )
         del run

@@ -345,6 +345,11 @@ def run_scheduler(
             f"latency={scenario.latency}: the simulated engine source scores at once; "
             "only the planner models a verifier latency"
         )
+    if scenario.engines != 1:
+        raise ValueError(
+            f"engines={scenario.engines}: the simulated engine source is one engine; "
+            "only the planner models a fleet"
+        )
     if config.timeout is not None:
         config = dataclasses.replace(config, timeout=config.timeout * scale)
     draws = scenario.draws()
@@ -406,6 +411,6 @@ def run_scheduler(
         batches=ledgers,
         limit_steps=limit_steps(scenario, draws),
         nominal_samples=scenario.tasks * scenario.group,
-        full_throughput=scenario.engine.full_throughput,
+        full_throughput=scenario.full_throughput,
         generated_at_start=start_generated,
     )

@@ -59,9 +59,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
-from dew.core import Aborted, Call, Engine, EngineError, SamplingParams, as_int
+from dew.core import Aborted, Call, Engine, EngineError, EngineTimings, SamplingParams, as_int
 from dew.serving._folders import private_folder, release_folder
-from dew.serving._http_client import Broken, NotConnected, Pool, TimedOut
+from dew.serving._http_client import Broken, NotConnected, Pool, Response, TimedOut
 from dew.serving._requests import Request, make_request
 
 __all__ = [
@@ -232,6 +232,12 @@ class LoopEngine(Engine):
 
     def load_file(self, path: str | Path, version: int) -> None:
         """Ask the server to load the weights file ``path`` and serve it as ``version``."""
+        raise NotImplementedError
+
+    def timings(self) -> list[EngineTimings]:
+        """The server's iterations by active-sequence count (:class:`dew.core.Timed`),
+        each entry named by :attr:`url`; :class:`~dew.core.EngineError` naming the URL
+        when the server does not answer within the connect timeout."""
         raise NotImplementedError
 
     # ------------------------------------------------------------------ properties
@@ -443,6 +449,35 @@ class LoopEngine(Engine):
                         f"{self._url}{path} did not answer within {within:g}s: {exc}"
                     ) from None
                 await asyncio.sleep(0.1)
+
+    async def _read(self, path: str) -> Response:
+        """``GET path`` answered 200, all of it within the connect timeout (a read that
+        does no work: a timings or metrics scrape). Tried once, and once more only when
+        a kept-alive connection broke under it (nothing is changed by a read); a server
+        that cannot be reached, answers late or answers anything but 200 raises
+        :class:`EngineError` naming the URL at once."""
+        where = f"{self._url}{path}"
+        budget = self._connect_timeout
+        deadline = self._loop.time() + budget
+        for last in (False, True):
+            left = deadline - self._loop.time()
+            if left <= 0:
+                break
+            try:
+                response = await self._ctl.request("GET", path, None, timeout=left)
+            except NotConnected as exc:
+                raise EngineError(f"{where}: {exc}") from None
+            except TimedOut:
+                break
+            except Broken as exc:
+                if last:
+                    raise EngineError(f"{where}: {exc}") from None
+                continue
+            if response.status != 200:
+                message = " ".join(response.error_message().split())[:300]
+                raise EngineError(f"{where}: {response.status}: {message}")
+            return response
+        raise EngineError(f"{where}: no answer within {budget:g}s")
 
     async def _request(
         self,

@@ -26,6 +26,9 @@ server (:mod:`dew.serving._http_base`). What is this server's:
   another run pushed to. A server held by another live run refuses it (409, naming
   that run) unless ``takeover``; :meth:`close` releases the server
   (:mod:`dew.serving._claim` has the rule).
+* Timings (:class:`~dew.core.Timed`): :meth:`HTTPEngine.timings` reads the server's
+  ``GET /dew/timings`` within the connect timeout and names its entry by the engine's
+  URL, so entries read from several servers are told apart.
 * The ``Call`` is built from the response alone: prompt = the ids sent, completion =
   ``output_ids``, ``log_probs`` from ``output_token_logprobs`` (checked to match the
   ids), ``version`` = ``weight_version`` (the oldest weights that served a token),
@@ -39,11 +42,20 @@ server (:mod:`dew.serving._http_base`). What is this server's:
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from collections.abc import Hashable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from dew.core import Aborted, Call, EngineError, SamplingParams, as_int, scored_temperature
+from dew.core import (
+    Aborted,
+    Call,
+    EngineError,
+    EngineTimings,
+    SamplingParams,
+    as_int,
+    scored_temperature,
+)
 from dew.serving._http_base import (
     CONNECT_TIMEOUT,
     REQUEST_TIMEOUT,
@@ -148,6 +160,24 @@ class HTTPEngine(LoopEngine):
         self._set_version(data.get("dew_version"), exact=True)
         self._held_by = data.get("dew_run")
         return True
+
+    def timings(self) -> list[EngineTimings]:
+        """The server's iteration log (``GET /dew/timings``), cumulative since it
+        started, its entry named by :attr:`url` (several entries, should a server report
+        more: ``url#name``). Blocks at most the connect timeout; a server that does not
+        answer, answers anything but 200 or a malformed body raises
+        :class:`~dew.core.EngineError` naming the URL."""
+        self._check_not_loop("timings()")
+        path = "/dew/timings"
+        response = self._block(self._read(path))
+        try:
+            data = response.json()
+            entries = [EngineTimings.from_json(e) for e in data["engines"]]
+        except (KeyError, TypeError, ValueError) as exc:
+            raise EngineError(f"{self._url}{path}: malformed answer: {exc}") from None
+        if len(entries) == 1:
+            return [dataclasses.replace(entries[0], name=self._url)]
+        return [dataclasses.replace(e, name=f"{self._url}#{e.name}") for e in entries]
 
     def load_file(self, path: str | Path, version: int) -> None:
         """Ask the server to load the weights file ``path`` (written by

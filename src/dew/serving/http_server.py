@@ -57,6 +57,12 @@ dew's extensions:
   ``dew_in_flight``, the ``/generate`` requests being served; model info also
   ``dew_device`` (where the model runs), ``dew_max_len``, ``dew_vocab_size`` and
   ``dew_eos_token_ids``.
+* ``GET /dew/timings``: the engine's iterations by active-sequence count, cumulative
+  since it started (:meth:`~dew.serving.RolloutServer.timings`), as
+  ``{"engines": [EngineTimings.to_json(), ...]}`` (:mod:`dew.core.sketch`): one entry,
+  named ``"local"``, with ``max_active`` the server's ``--max-batch`` and
+  ``iterations`` ``{"<active>": [iterations, seconds], ...}``. A reader takes the
+  difference of two reads for what ran between them.
 * Errors are ``{"error": {"message", "param", "type"}}`` with a 4xx naming the field;
   weight-push refusals add SGLang's ``{"success": false, "message"}``. A closed or broken
   engine answers 503. With an API key, every endpoint but ``/health`` needs
@@ -409,6 +415,10 @@ def build_app(
         state.engine.abort(future)
         return JSONResponse({"success": True})
 
+    async def timings(state: ServeState, request: Request) -> Response:
+        state.authorize(request)
+        return JSONResponse({"engines": [t.to_json() for t in state.engine.timings()]})
+
     route("/generate", _generate)
     route("/abort_request", abort_request)
     route("/update_weights_from_disk", from_disk)
@@ -417,6 +427,7 @@ def build_app(
     route("/dew/release", release)
     route("/health", health, "GET")
     route("/get_model_info", model_info, "GET")
+    route("/dew/timings", timings, "GET")
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException) -> Response:

@@ -81,7 +81,7 @@ from concurrent.futures import Future
 
 import torch
 
-from dew.core import Aborted, Call, Engine, SamplingParams, as_int
+from dew.core import Aborted, Call, Engine, EngineTimings, IterationLog, SamplingParams, as_int
 from dew.serving._batch import ActiveBatch
 from dew.serving._kv import ModelCall, SlotCache
 from dew.serving._prefix import KeptPrefixes
@@ -206,6 +206,7 @@ class RolloutServer(Engine):
         self._broken: BaseException | None = None  # guarded by _cond
         self._version = version  # written by the engine under _cond
         self._iteration = 0  # written by the engine under _cond
+        self._timings = IterationLog()  # written by the engine thread; locks itself
         self._thread = threading.Thread(target=self._run, name="RolloutServer-engine", daemon=True)
         self._thread.start()
 
@@ -241,6 +242,11 @@ class RolloutServer(Engine):
         with self._cond:
             up = not self._closed and self._broken is None
         return up and self._thread.is_alive()
+
+    def timings(self) -> list[EngineTimings]:
+        """This engine's iterations by active-sequence count (:class:`dew.core.Timed`),
+        cumulative since it started: one entry, named ``"local"``."""
+        return [EngineTimings("local", self._max_batch, self._timings.snapshot())]
 
     def stats(self) -> dict[str, int]:
         """Sizes of the internal tables, and counters (for tests and monitoring).
@@ -435,10 +441,15 @@ class RolloutServer(Engine):
             # even a failed load may have changed some weights
             if loads and batch.recompute_after_load():
                 batch.refill()
+            start = time.perf_counter()
             if joiners:
                 batch.prefill(joiners, self._version)
             if batch.active:
+                active = len(batch.active)
                 batch.decode(self._version)
+                # the iteration's cost as the planner models it: admission and one token
+                # for each active sequence (a weight load is the trainer's time, not this)
+                self._timings.add(active, time.perf_counter() - start)
         except Exception as exc:  # a failed step fails its requests, and the engine goes on
             failed = RuntimeError(f"RolloutServer model step failed: {exc!r}")
             failed.__cause__ = exc

@@ -52,6 +52,7 @@ from dew.objectives.rl.config import (
 )
 from dew.objectives.rl.metrics import session_metrics
 from dew.objectives.rl.pack import pack
+from dew.objectives.rl.profile import StepProfiler
 
 if TYPE_CHECKING:
     from dew.objectives.rl.grpo import GRPOObjective
@@ -229,6 +230,10 @@ class RolloutScheduler:
         self.last_errors: list[str] = []
         # The last call's trained rollouts, each with its advantage (what a sample log shows).
         self.last_samples: list[tuple[Rollout, float]] = []
+        # The last call's profile (a step record's ``profile``: lengths, time outside
+        # the engine, engine iterations; see dew.objectives.rl.profile), None before.
+        self.last_profile: dict[str, Any] | None = None
+        self._profiler = StepProfiler(config, source)
         self._opened = False  # set when the task stream first opens: hooks are fixed then
         self._install(_NO_HOOKS)
         self._served: int | None = None  # trainer-thread view of the pushed version
@@ -376,6 +381,7 @@ class RolloutScheduler:
         hooks = self._hooks
         if not hooks.samples:
             return self._follow(variables)
+        self._profiler.wait_begins()
         t0 = time.monotonic()
         future = self._driver.call(batch, updates)
         failure: BaseException | None = None
@@ -383,6 +389,7 @@ class RolloutScheduler:
             consumed, counts = future.result()
         except Exception as exc:
             failure = exc
+        self._profiler.wait_ends()
         if hooks.agree is not None:
             hooks.agree(failure)  # on a pool: raises on every process if any one failed
         if failure is not None:
@@ -456,6 +463,8 @@ class RolloutScheduler:
             waited=waited,
             metrics=metrics,
         )
+        stale = [r for why, r in dropped if why == "stale"]
+        self.last_profile = self._profiler.step(consumed.groups, stale, counts["late_cancelled"])
         self.last_errors = list(consumed.errors)
         self.last_samples = _with_advantages(consumed.groups, stats.packed, out)
         self.last_tasks = {

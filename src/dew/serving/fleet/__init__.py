@@ -26,6 +26,11 @@ this mode: calls on a worker that died fail there (the router may retry them
 elsewhere), calls on a worker that hangs end at ``timeout``. The README says when to
 prefer which mode.
 
+Timings: :meth:`EngineFleet.timings` reads every member's iteration log at once
+(:class:`~dew.core.Timed`), one entry per member named by its URL; a member that does
+not answer within its connect timeout is left out of that read, and only a read that
+no member answers raises :class:`~dew.core.EngineError`.
+
 Threads: the fleet owns a health thread (every ``health_interval`` seconds it pings
 each member with a short timeout, concurrently, takes out members that failed
 ``max_failures`` checks in a row, and brings back members that answer again), for a

@@ -13,7 +13,7 @@ from concurrent.futures import wait as wait_futures
 from pathlib import Path
 from typing import Any
 
-from dew.core import Aborted, Call, Engine, EngineError, SamplingParams, as_int
+from dew.core import Aborted, Call, Engine, EngineError, EngineTimings, SamplingParams, as_int
 from dew.serving._folders import private_folder, release_folder
 from dew.serving._http_base import FLEET_CONNECT_TIMEOUT, REQUEST_TIMEOUT, LoopEngine
 from dew.serving._requests import make_request
@@ -297,6 +297,31 @@ class EngineFleet(Care, Publish, Engine):
                 )
                 for m in self._members
             ]
+
+    def timings(self) -> list[EngineTimings]:
+        """Every member's iteration log (:class:`dew.core.Timed`), in construction
+        order, each entry named by the member's URL, read concurrently within the
+        members' connect timeout. A member that does not answer (down, restarting, a
+        fault) is left out of this read; :class:`~dew.core.EngineError` when none
+        answers. Each log counts from its server's start: a restarted member's counts
+        start over."""
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("EngineFleet is closed")
+            engines = [m.engine for m in self._members]
+        reads = [self._pool.submit(e.timings) for e in engines]
+        out: list[EngineTimings] = []
+        faults: list[str] = []
+        answered = 0
+        for engine, read in zip(engines, reads, strict=True):
+            try:
+                out.extend(read.result())
+                answered += 1
+            except (EngineError, RuntimeError, ValueError) as exc:  # left out of this read
+                faults.append(f"{engine.url}: {exc}" if engine.url not in str(exc) else str(exc))
+        if not answered:
+            raise EngineError(f"no fleet member answered its timings: {'; '.join(faults)}")
+        return out
 
     # ------------------------------------------------------------------ Engine
 

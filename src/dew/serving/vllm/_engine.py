@@ -46,19 +46,54 @@ checked the names, shapes and version, ``/start_weight_update``, ``/update_weigh
 Aborts go to ``/abort_requests`` under the id the server gives a
 request (``generate-tokens-`` and dew's id); the server answers the generation with
 finish reason ``abort`` and its tokens so far.
+
+Timings (:meth:`VLLMEngine.timings`, :class:`~dew.core.Timed`): vLLM keeps no log of
+its iterations, but its Prometheus ``/metrics`` counts enough for a window average.
+Each read scrapes it and adds one row for the window since the previous read (the
+first read's window starts at the server's start) to a log the engine keeps, so the
+log is cumulative as every engine's is. Of the counters summed over the label sets:
+
+* ``vllm:iteration_tokens_total_count``: engine steps that produced output (the
+  histogram's count), the window's ``iterations``;
+* ``vllm:generation_tokens_total``: tokens sampled, one per running sequence per step,
+  so Δtokens / Δiterations is the mean count of sequences a step ran (the histogram's
+  own sum would count prompt tokens too), rounded, at least 1: the row's ``active``;
+* ``vllm:inter_token_latency_seconds`` (``_sum``, ``_count``; the older
+  ``vllm:time_per_output_token_seconds`` where it is missing): the time between two
+  tokens of a running request, one step's time as that request saw it: the row's
+  ``seconds`` are Δiterations x Δsum / Δcount.
+
+Approximated: a window's steps all count at its mean sequence count, so one read's
+row stands for the window's mix of widths (read often for a finer log); each step's
+time is the mean inter-token latency, which averages over running sequences (a wide
+step weighs more than a narrow one), counts the scheduling between two steps, and
+lends decode steps' mean to prefill-only steps (which have no such sample). A window
+without a timed step adds nothing yet: its steps join the next window. ``max_active``
+is the server's ``max_num_seqs`` (as dew's worker extension reports it; 256 where
+it does not). Counters that fell (a server restarted on the URL) start the log over.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import math
 import socket
 import threading
 from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from dew.core import Aborted, Call, EngineError, SamplingParams, as_int
+from dew.core import (
+    Aborted,
+    Call,
+    EngineError,
+    EngineTimings,
+    IterationLog,
+    SamplingParams,
+    as_int,
+)
 from dew.serving._http_base import (
     CONNECT_TIMEOUT,
     REQUEST_TIMEOUT,
@@ -80,6 +115,7 @@ EXTENSION = "dew.serving.vllm.extension.WorkerExtension"
 _ID_PREFIX = "generate-tokens-"  # what vLLM's token route puts before a request's id
 _SALT = "dew-v"
 TRANSFER_ARGS = ("--weight-transfer-config", json.dumps({"backend": TRANSFER_BACKEND}))
+MAX_ACTIVE = 256  # vLLM's default max_num_seqs: a server's own, where it does not say
 
 
 def server_args() -> list[str]:
@@ -132,6 +168,8 @@ class VLLMEngine(LoopEngine):
             raise ValueError(f"on_load={on_load!r} is not one of {list(ON_LOAD)}")
         self._on_load = on_load
         self._push_lock = threading.Lock()  # one push at a time: pause ... resume
+        self._windows = MetricWindows()  # the iteration log built from /metrics reads
+        self._max_active = MAX_ACTIVE
         super().__init__(
             url,
             api_key=api_key,
@@ -179,6 +217,7 @@ class VLLMEngine(LoopEngine):
         self._vocab = as_int(info["vocab_size"], "vocab_size")
         self._eos = tuple(as_int(t, "eos_token_ids") for t in info["eos_token_ids"])
         self._workers = as_int(info["workers"], "workers")
+        self._max_active = as_int(info.get("max_num_seqs", MAX_ACTIVE), "max_num_seqs")
         self._transfer = info.get("transfer")
         self._held_by = info.get("run")
         self._set_version(as_int(info["version"], "version"), exact=True)
@@ -263,6 +302,19 @@ class VLLMEngine(LoopEngine):
             return False
         self._set_version(_label(info.get("weight_version")), exact=True)
         return True
+
+    def timings(self) -> list[EngineTimings]:
+        """The server's iterations by active-sequence count, cumulative since it
+        started, as built from its ``/metrics`` (the module docstring says how, and what
+        is approximated): one entry named by :attr:`url`, ``max_active`` the server's
+        ``max_num_seqs``. Each read adds the window since the previous one; metrics
+        without what is needed leave the log as it was. Blocks at most the connect
+        timeout; a server that does not answer raises :class:`~dew.core.EngineError`
+        naming the URL."""
+        self._check_not_loop("timings()")
+        response = self._block(self._read("/metrics"))
+        log = self._windows.update(response.body.decode("utf-8", "replace"))
+        return [EngineTimings(self._url, self._max_active, log)]
 
     def load_file(self, path: str | Path, version: int) -> None:
         """Serve the weights file ``path`` (written by
@@ -425,6 +477,96 @@ class VLLMEngine(LoopEngine):
         except TransportError as exc:
             raise EngineError(f"{self._url}{path}: {exc}") from None
         return response.status
+
+
+# ---------------------------------------------------------------------- timings
+
+_ITERATIONS = "vllm:iteration_tokens_total_count"
+_TOKENS = "vllm:generation_tokens_total"
+_STEP_TIME = ("vllm:inter_token_latency_seconds", "vllm:time_per_output_token_seconds")
+
+
+@dataclass(frozen=True)
+class Scrape:
+    """The counters of one ``/metrics`` read the timings need (each summed over its
+    label sets): steps, sampled tokens, and the inter-token latencies' sum and count."""
+
+    iterations: float
+    tokens: float
+    step_seconds: float
+    step_samples: float
+
+
+_ZERO = Scrape(0.0, 0.0, 0.0, 0.0)
+
+
+def parse_metrics(text: str) -> Scrape | None:
+    """The :class:`Scrape` in a Prometheus text exposition, or None when a counter it
+    needs is missing."""
+    wanted = {_ITERATIONS, _TOKENS}
+    for base in _STEP_TIME:
+        wanted.update((f"{base}_sum", f"{base}_count"))
+    sums: dict[str, float] = {}
+    for line in text.splitlines():
+        if not line or line.startswith("#"):
+            continue
+        brace = line.find("{")
+        space = line.find(" ")
+        if brace != -1 and (space == -1 or brace < space):
+            name, rest = line[:brace], line[line.rfind("}") + 1 :]
+        elif space != -1:
+            name, rest = line[:space], line[space:]
+        else:
+            continue
+        if name not in wanted:
+            continue
+        try:
+            value = float(rest.split()[0])
+        except (IndexError, ValueError):
+            continue
+        if math.isfinite(value):
+            sums[name] = sums.get(name, 0.0) + value
+    base = next((b for b in _STEP_TIME if f"{b}_sum" in sums and f"{b}_count" in sums), None)
+    if base is None or _ITERATIONS not in sums or _TOKENS not in sums:
+        return None
+    return Scrape(sums[_ITERATIONS], sums[_TOKENS], sums[f"{base}_sum"], sums[f"{base}_count"])
+
+
+class MetricWindows:
+    """A cumulative :class:`~dew.core.IterationLog` built from successive ``/metrics``
+    reads, one row per window between two reads (the module docstring). Thread-safe."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._log = IterationLog()
+        self._last = _ZERO  # the read the next window starts from
+
+    def update(self, text: str) -> IterationLog:
+        """Add the window ending at the read ``text``; a snapshot of the log."""
+        now = parse_metrics(text)
+        with self._lock:
+            if now is not None:
+                self._add(now)
+            return self._log.snapshot()
+
+    def _add(self, now: Scrape) -> None:
+        last = self._last
+        if (
+            now.iterations < last.iterations
+            or now.tokens < last.tokens
+            or now.step_samples < last.step_samples
+        ):  # the server restarted: its counters, and so this log, start over
+            self._log, last = IterationLog(), _ZERO
+        steps = round(now.iterations - last.iterations)
+        samples = now.step_samples - last.step_samples
+        if steps <= 0 or samples <= 0:  # nothing ran, or no step timed yet: wait
+            self._last = now if steps <= 0 and samples <= 0 else last
+            return
+        active = max(1, round((now.tokens - last.tokens) / steps))
+        seconds = steps * max(now.step_seconds - last.step_seconds, 0.0) / samples
+        row = IterationLog.from_json({str(active): [steps, seconds]})
+        self._log = self._log.merged(row)
+        self._last = now
 
 
 def _label(value: object) -> int:

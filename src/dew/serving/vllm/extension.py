@@ -68,7 +68,8 @@ class WorkerExtension:
     def dew_describe(self) -> dict[str, Any]:
         """What the engine checks and needs: the log-prob mode, the vocabulary, the
         end-of-sequence ids (as :class:`~dew.serving.RolloutServer` reads them), the
-        context length, the version served, and whether dew's transfer backend is on."""
+        context length, the most sequences the scheduler runs at once, the version
+        served, and whether dew's transfer backend is on."""
         config = self.model_runner.model_config
         transfer = getattr(self.vllm_config, "weight_transfer_config", None)
         return {
@@ -76,6 +77,7 @@ class WorkerExtension:
             "vocab_size": int(config.get_vocab_size()),
             "eos_token_ids": _eos_ids(config),
             "max_len": int(config.max_model_len),
+            "max_num_seqs": int(self.vllm_config.scheduler_config.max_num_seqs),
             "version": self._dew_served().version,
             "run": self._dew_served().claim.held_by,
             "workers": int(self.vllm_config.parallel_config.world_size),

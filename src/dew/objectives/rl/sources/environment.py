@@ -137,10 +137,14 @@ class EnvironmentSource(ThreadedSource):
         self.max_turns = max_turns
         self.max_context = max_context
         self.wall_clock = wall_clock
+        # seconds this worker's rollout has waited on the engine, per worker thread
+        self._engine_seconds = threading.local()
 
     def run(self, task: Task, key: RolloutKey, stop: threading.Event) -> Rollout:
         calls: list[Call] = []
         env: Environment | None = None
+        started = time.monotonic()
+        self._engine_seconds.value = 0.0
         try:
             env = self.make_env()
             outcome = self._episode(env, task, key, stop, calls)
@@ -168,6 +172,9 @@ class EnvironmentSource(ThreadedSource):
                 reward, parts = None, {}
         if outcome.status is Status.INFRA_ERROR:
             reward, parts = None, {}
+        elif outcome.status is not Status.CANCELLED:  # the environment's share of its time
+            spent = time.monotonic() - started - self._engine_seconds.value
+            self.outside.add(max(spent, 0.0))
         return Rollout(
             key=key,
             task=task,
@@ -201,12 +208,14 @@ class EnvironmentSource(ThreadedSource):
                 raise _Outcome(Status.TRUNCATED, "context")
             full = self.sampling.max_tokens
             params = self.sampling if room >= full else replace(self.sampling, max_tokens=room)
+            asked = time.monotonic()
             try:
                 call = self.engine.generate(prompt, params, stop=stop, affinity=key.group)
             except Aborted:
                 raise _Outcome(Status.CANCELLED, error="cancelled") from None
             except EngineError as exc:  # lost to a fault: the sample runs again
                 raise _Outcome(Status.INFRA_ERROR, error=f"engine: {error_text(exc)}") from None
+            self._engine_seconds.value += time.monotonic() - asked
             calls.append(call)
             if call.finish_reason == "length" and params.max_tokens < full:
                 raise _Outcome(Status.TRUNCATED, "context")

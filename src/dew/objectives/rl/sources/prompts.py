@@ -49,6 +49,7 @@ which is filled under a lock.
 from __future__ import annotations
 
 import threading
+import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future
@@ -225,7 +226,8 @@ class PromptSource(ThreadedSource):
             self.settle(session, partial(_reraise, error))
         else:
             call = pending.result()
-            self.settle_on_pool(session, partial(self._score, session.task, session.key, call))
+            scored = partial(self._score, session.task, session.key, call, time.monotonic())
+            self.settle_on_pool(session, scored)
 
     # A GroupVerifier's gathering (None otherwise) hears of each session's generation:
     # started, dropped (no completion) or generated; a group in is scored on the pool.
@@ -244,6 +246,7 @@ class PromptSource(ThreadedSource):
 
     def _gather_generated(self, session: ThreadedSession, call: Call) -> None:
         assert self._gathering is not None
+        session.generated = time.monotonic()
         with self._gathering_lock:
             ready = self._gathering.generated(session.key.group, session.key, (session, call))
         session.on_cancel(partial(self._withdraw, session))
@@ -285,6 +288,9 @@ class PromptSource(ThreadedSource):
                     )
             except BaseException as exc:  # every rollout's failure; re-raised below if fatal
                 results = [exc] * len(calls)
+            now = time.monotonic()
+            for s, _ in live:  # each waited for its group, then for the verifier
+                self.outside.add(max(now - (s.generated or now), 0.0))
         verdicts = dict(zip((s for s, _ in live), results, strict=True))
         fatal: BaseException | None = None
         for session, call in ready:
@@ -320,12 +326,14 @@ class PromptSource(ThreadedSource):
             return ids
         return self.tokenizer.decode(ids, skip_special_tokens=False)
 
-    def _score(self, task: Task, key: RolloutKey, call: Call) -> Rollout:
-        """The verifier's verdict on one finished call, as a rollout."""
+    def _score(self, task: Task, key: RolloutKey, call: Call, generated: float) -> Rollout:
+        """The verifier's verdict on one finished call, as a rollout; ``generated``:
+        when the engine finished it (monotonic), which starts its time outside."""
         try:
             result = self.verifier(task, self.completion_view(call), call)
         except (Exception, SystemExit, KeyboardInterrupt) as exc:  # see _rollout
             result = exc
+        self.outside.add(max(time.monotonic() - generated, 0.0))
         return self._rollout(task, key, call, result)
 
     def _rollout(self, task: Task, key: RolloutKey, call: Call, result: Any) -> Rollout:
