@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import statistics
 import subprocess
 import sys
@@ -46,6 +47,7 @@ from dew.objectives.rl.config import SchedulerConfig
 from dew.plan._from_run import overrides, rank
 from dew.plan.cli import default_policies
 from dew.plan.fit import fit_run
+from dew.plan.planner import plan
 
 ROOT = Path(__file__).resolve().parent.parent
 DEW = str(Path(sys.executable).with_name("dew"))
@@ -92,6 +94,7 @@ def run_policy(
         raise SystemExit(f"{' '.join(cmd)} failed:\n{done.stderr[-2000:]}")
     return {
         "policy": policy.name,
+        "cuts": bool(policy.oversample or policy.admit is not None),
         "run": str(run),
         "seconds": time.monotonic() - t0,
         "load": load.cores,
@@ -141,7 +144,11 @@ def one_workload(workload: str, seed: int, steps: int, skip: int, folder: Path) 
         "seed": seed,
         "default": default.name,
         "recommended": ranked.best.name,
-        "override": overrides(ranked.best, "train" if workload == "copy" else "demo"),
+        "override": overrides(
+            ranked.best,
+            "train" if workload == "copy" else "demo",
+            "examples/copy.toml" if workload == "copy" else f"--task {workload}",
+        ),
         "fit": {
             "median_length": float(2.718281828**fit.lengths.mu),
             "sigma": fit.lengths.sigma,
@@ -153,7 +160,44 @@ def one_workload(workload: str, seed: int, steps: int, skip: int, folder: Path) 
             "profile_cpu": fit.measured.profile_cpu,
         },
         "runs": runs,
+        "obstacles": obstacles(probe_dir, skip),
     }
+
+
+OBSTACLES = (
+    ("as fitted", {}),
+    ("separate devices", {"sharing": 1.0}),
+    ("no verifier latency", {"latency": 0.0, "latency_sigma": 0.0}),
+    ("one answer length", {"spread": 0.0}),
+    ("none of these", {"sharing": 1.0, "latency": 0.0, "latency_sigma": 0.0, "spread": 0.0}),
+)
+
+
+OBSTACLES_COLUMNS = ("ahead 1", "sync")
+
+
+def obstacles(probe: Path, skip: int) -> dict[str, dict[str, float]]:
+    """What stands between a run and its limit: the planned fraction of the limit of the
+    default and the synchronous policy on the probe's fitted model, and again with each
+    obstacle taken away (cores shared with the trainer, the verifier's latency, the
+    spread of answer lengths: every answer the fitted mean's length)."""
+    fit = fit_run(probe, skip=skip)
+    base = fit.scenario()
+    out: dict[str, dict[str, float]] = {}
+    for name, change in OBSTACLES:
+        change = dict(change)
+        sc = base
+        if change.pop("spread", None) is not None:
+            p = fit.lengths
+            mean = p.mean_length()
+            flat = dataclasses.replace(p, mu=math.log(mean), sigma_task=0.0, sigma_sample=0.0)
+            sc = dataclasses.replace(sc, preset=flat)
+        sc = dataclasses.replace(sc, **change)
+        out[name] = {
+            policy.name: plan(policy, sc).fraction
+            for policy in (SchedulerConfig.tight(ahead=1), SchedulerConfig.tight(ahead=0))
+        }
+    return out
 
 
 def _err(predicted: float, measured: float) -> float:
@@ -179,6 +223,7 @@ def render(
         "",
     ]
     rows: list[tuple[str, str, str, str]] = []
+    per_workload: dict[str, dict[str, list[Any]]] = {}
     for res in results:
         w, seed, runs = res["workload"], res["seed"], res["runs"]
         f = res["fit"]
@@ -212,10 +257,12 @@ def render(
                 f"{p['samples_per_s']:.3g} | {m['samples_per_s']:.3g} | {e2:+.0%} | "
                 f"{m['admitted_len'] / base_len:.3f}x | {m['limit_fraction']:.2f} | {load} |"
             )
+        # fair: cuts nothing (no length selection by construction), or its measured
+        # mean admitted length stays within the recommender's bound of the default's
         fair = {
             n: r
             for n, r in runs.items()
-            if abs(r["measured"]["admitted_len"] / base_len - 1) <= MAX_BIAS
+            if not r["cuts"] or abs(r["measured"]["admitted_len"] / base_len - 1) <= MAX_BIAS
         } or runs
         best = max(fair, key=lambda n: fair[n]["measured"]["samples_per_s"])
         rec = runs[res["recommended"]]["measured"]["samples_per_s"]
@@ -225,29 +272,66 @@ def render(
         lines += [
             "",
             f"recommended `{res['recommended']}` ({res['override']}): measured {vs_default:.2f}x "
-            f"the default's samples/s, {vs_best:.2f}x the fastest measured policy within the "
-            f"length-bias bound (`{best}`). Median |error| over the grid: {median_step:.0%} in "
+            f"the default's samples/s, {vs_best:.2f}x the fastest measured policy that cuts "
+            f"nothing or stays within the length-bias bound (`{best}`). Median absolute error over "
+            f"the grid: {median_step:.0%} in "
             f"s/step, {median_rate:.0%} in samples/s; worst {max(step_errs):.0%} and "
             f"{max(rate_errs):.0%}.",
             "",
         ]
-        veto = "" if quiet else " (NOT counted: load)"
-        ok_pred = max(step_errs) <= 0.15 and max(rate_errs) <= 0.15
+        if res.get("obstacles"):
+            sync = SchedulerConfig.tight(ahead=0).name
+            measured_sync = runs[sync]["measured"]["limit_fraction"] if sync in runs else math.nan
+            measured_default = runs[res["default"]]["measured"]["limit_fraction"]
+            lines += [
+                "What stands between the run and its limit: the planned fraction of the "
+                "limit on the probe's fit (the limit with the trainer's work alone, `T`), "
+                "with each obstacle taken away. The runs' own records give "
+                f"{measured_default:.2f} (async) and {measured_sync:.2f} (sync) of a limit "
+                "made with the trainer's time at work as measured, which sharing the cores "
+                "stretches.",
+                "",
+                "| model | " + " | ".join(OBSTACLES_COLUMNS) + " |",
+                "|---|" + "---|" * len(OBSTACLES_COLUMNS),
+            ]
+            for name, row in res["obstacles"].items():
+                cells = " | ".join(f"{row[c]:.2f}" for c in OBSTACLES_COLUMNS)
+                lines.append(f"| {name} | {cells} |")
+            lines.append("")
+        agg = per_workload.setdefault(w, {"chosen": [], "grid": [], "vs_best": [], "seeds": []})
+        for name in {res["recommended"], res["default"]}:
+            p, m = runs[name]["planned"], runs[name]["measured"]
+            agg["chosen"].append(abs(_err(p["step_time"], m["step_time"])))
+            agg["chosen"].append(abs(_err(p["samples_per_s"], m["samples_per_s"])))
+        agg["grid"] += step_errs + rate_errs
+        agg["vs_best"].append(vs_best)
+        agg["seeds"].append(seed)
+    veto = "" if quiet else " (NOT counted: load)"
+    for w, agg in per_workload.items():
+        seeds = ", ".join(str(x) for x in agg["seeds"])
+        chosen, grid = max(agg["chosen"]), max(agg["grid"])
         rows.append(
             (
-                f"plan from run, {w}: predicted vs measured",
-                f"worst |error| {max(step_errs):.0%} s/step, {max(rate_errs):.0%} samples/s over "
-                f"{len(runs)} policies",
+                f"plan from run, {w}: predicted vs measured, recommended and default",
+                f"worst error {chosen:.0%} (s/step and samples/s; seeds {seeds})",
                 "<= 15%",
-                ("met" if ok_pred else "NOT met") + veto,
+                ("met" if chosen <= 0.15 else "NOT met") + veto,
             )
         )
         rows.append(
             (
-                f"plan from run, {w}: recommended vs best of grid",
-                f"{vs_best:.2f}x the best ({best}), {vs_default:.2f}x the default",
+                f"plan from run, {w}: predicted vs measured, every policy of the grid",
+                f"worst error {grid:.0%} (seeds {seeds})",
+                "<= 15%",
+                ("met" if grid <= 0.15 else "NOT met") + veto,
+            )
+        )
+        rows.append(
+            (
+                f"plan from run, {w}: recommended vs the best policy run",
+                f"{min(agg['vs_best']):.2f}x at worst (seeds {seeds})",
                 ">= 0.90x",
-                ("met" if vs_best >= 0.9 else "NOT met") + veto,
+                ("met" if min(agg["vs_best"]) >= 0.9 else "NOT met") + veto,
             )
         )
     return "\n".join(lines) + "\n", rows
@@ -269,6 +353,11 @@ def main() -> int:
     if args.load:
         saved = json.loads((Path(args.load) / "results.json").read_text())
         results, prov = saved["results"], saved["provenance"]
+        for res in results:  # saved before the obstacles were planned: from its probe
+            probe = Path(res["runs"][res["default"]]["run"])
+            if "obstacles" not in res and (probe / "records.jsonl").exists():
+                res["obstacles"] = obstacles(probe, args.skip)
+        (Path(args.load) / "results.json").write_text(json.dumps(saved, indent=1))
     else:
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)

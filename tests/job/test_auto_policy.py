@@ -38,6 +38,7 @@ def _policies(run: Path) -> list[tuple[int, int]]:
     return [(r["step"], r["profile"]["policy"]["ahead"]) for r in map(json.loads, lines)]
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_auto_probes_then_keeps_the_planners_choice_and_why(
     tmp_path: Path, model_dir: Path
@@ -62,7 +63,6 @@ def test_auto_probes_then_keeps_the_planners_choice_and_why(
     assert {a for s, a in policies if s > 8} == {chosen["knobs"]["ahead"]}
 
 
-@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_the_chosen_knobs_take_effect_after_the_probe_and_on_resume(
     tmp_path: Path, model_dir: Path

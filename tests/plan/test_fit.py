@@ -12,6 +12,7 @@ import math
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -42,6 +43,7 @@ TRUE = {
     "a": 4e-3,
     "b": 5e-5,
     "max_active": 64,
+    "sharing": 0.6,
 }
 TASKS, GROUP, ENGINES = 16, 8, 2
 
@@ -92,7 +94,8 @@ def write_run(folder: Path, steps: int = 30, seed: int = 0) -> Path:
     config = SchedulerConfig(groups=GROUP, ahead=1, max_lag=1)
     profiler = StepProfiler(config, source)
     folder.mkdir(parents=True, exist_ok=True)
-    lines = []
+    lines: list[dict[str, Any]] = []
+    beside: list[float] = []  # per step: engine seconds beside the trainer (engine mean)
     for step in range(steps):
         mu = math.log(TRUE["median"])
         task_means = rng.normal(mu, TRUE["sigma_task"], size=TASKS)
@@ -107,20 +110,37 @@ def write_run(folder: Path, steps: int = 30, seed: int = 0) -> Path:
             )
         for x in TRUE["latency"] * np.exp(TRUE["latency_sigma"] * rng.normal(size=TASKS * GROUP)):
             source.outside.add(float(x))
-        for log in source.engine.logs:
-            for k in rng.integers(1, TRUE["max_active"] + 1, size=400):
-                noise = float(np.exp(rng.normal(0.0, 0.05)))
-                log.add(int(k), (TRUE["a"] + TRUE["b"] * int(k)) * noise)
+        # beside the trainer's work (its last step's training, this one's push), then
+        # alone while it waits: the same loads, iterations 1 / sharing times as long
+        beside_seconds = [0.0] * ENGINES
+        for alone in (False, True):
+            if alone:
+                profiler.wait_begins()
+            for i, log in enumerate(source.engine.logs):
+                for k in rng.integers(1, TRUE["max_active"] + 1, size=150):
+                    noise = float(np.exp(rng.normal(0.0, 0.05)))
+                    took = (TRUE["a"] + TRUE["b"] * int(k)) * noise
+                    if not alone:
+                        took /= TRUE["sharing"]
+                        beside_seconds[i] += took
+                    log.add(int(k), took)
+        profiler.wait_ends()
         waited = float(rng.uniform(0.1, 0.5))
-        seconds = TRUE["T"] * float(np.exp(rng.normal(0.0, 0.02))) + waited
+        beside.append(sum(beside_seconds) / ENGINES)
         lines.append(
             {
                 "step": step + 1,
-                "seconds": seconds,
+                "waited": waited,
                 "scheduler": {"waited": waited, "groups": TASKS},
                 "profile": profiler.step(groups, [], []),
             }
         )
+    # the trainer's busy time stretched by the engine seconds beside it (counted in the
+    # next step's profile): work T alone, (1 - sharing) of each engine second lost
+    for k, r in enumerate(lines):
+        e = beside[min(k + 1, len(beside) - 1)]
+        work = TRUE["T"] * float(np.exp(rng.normal(0.0, 0.02)))
+        r["seconds"] = work + (1 - TRUE["sharing"]) * e + r.pop("waited")
     (folder / "records.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
     (folder / "config.json").write_text(json.dumps({"task": "tail", "max_tokens": TRUE["cap"]}))
     return folder
@@ -143,7 +163,8 @@ def test_the_fit_recovers_the_parameters_the_records_were_made_from(run: Path) -
     assert p.cap == TRUE["cap"]
     assert fit.latency == pytest.approx(TRUE["latency"], rel=0.06)
     assert fit.latency_sigma == pytest.approx(TRUE["latency_sigma"], abs=0.05)
-    assert fit.T == pytest.approx(TRUE["T"], rel=0.02)
+    assert fit.sharing == pytest.approx(TRUE["sharing"], rel=0.03)
+    assert fit.T == pytest.approx(TRUE["T"], rel=0.03)
     assert fit.engine.a == pytest.approx(TRUE["a"], rel=0.05)
     assert fit.engine.b == pytest.approx(TRUE["b"], rel=0.05)
     assert fit.engine.max_active == TRUE["max_active"]

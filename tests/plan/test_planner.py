@@ -257,3 +257,53 @@ def test_two_engines_plan_as_one_engine_of_twice_the_slots_would_on_a_wide_batch
     assert two.step_time == pytest.approx(2 * 50 * 1e-3)
     with pytest.raises(ValueError, match="engines=0"):
         Scenario(p, 8, 4, T=0.0, engines=0)
+
+
+def test_a_trainer_sharing_the_cores_with_the_engine_slows_both_while_they_overlap():
+    from dew.core import RolloutKey
+    from dew.plan.planner import _Run
+
+    p = LengthPreset("flat", math.log(3.0), 0.0, 0.0, 1000)
+    sc = Scenario(p, 1, 2, T=2.0, engine=EngineConfig(a=1.0, b=0.0, max_active=4), sharing=0.5)
+    run = _Run(SchedulerConfig.tight(ahead=1), sc)
+    run.engine.add(RolloutKey(0, 0, 0), 3)  # 3 tokens at 1 s each, alone
+    run.train_shared(2.0)
+    # both at half speed: the trainer's 2 s of work end at t=4, when the engine has
+    # made 2 tokens; its last token then takes 1 s alone
+    assert run.engine.now == pytest.approx(4.0)
+    assert run.engine.next_completion() == pytest.approx(5.0)
+    assert run.engine.slowdown == 1.0
+    idle = _Run(SchedulerConfig.tight(ahead=1), sc)
+    idle.train_shared(1.5)  # no engine runs beside it: the trainer at full speed
+    assert idle.engine.now == pytest.approx(1.5)
+
+
+def test_sharing_leaves_a_synchronous_plan_alone_and_slows_an_overlapping_one():
+    p = LengthPreset("flat", math.log(40.0), 0.0, 0.0, 1000)
+    engine = EngineConfig(a=1e-3, b=1e-5, max_active=64)
+
+    def step(ahead: int, sharing: float) -> float:
+        sc = Scenario(p, 4, 4, T=0.05, steps=6, warmup=2, engine=engine, sharing=sharing)
+        return plan(SchedulerConfig.tight(ahead=ahead), sc).step_time
+
+    assert step(0, 0.5) == pytest.approx(step(0, 1.0))  # nothing runs beside the trainer
+    assert step(1, 0.5) > step(1, 1.0) * 1.1
+    with pytest.raises(ValueError, match="sharing=0"):
+        Scenario(p, 4, 4, T=0.05, sharing=0.0)
+
+
+def test_a_multi_turn_rollout_frees_its_slot_between_turns():
+    p = LengthPreset("flat", math.log(4.0), 0.0, 0.0, 1000)
+    engine = EngineConfig(a=1.0, b=1.0, max_active=1)  # one slot, 2 s per token
+
+    def step(turns: tuple[float, ...]) -> float:
+        sc = Scenario(p, 1, 2, T=0.0, steps=3, warmup=1, engine=engine, latency=5.0, turns=turns)
+        return plan(SchedulerConfig.tight(ahead=0), sc).step_time
+
+    # one call each: A's 4 tokens (0-8), B's (8-16), B's verifier 5 s
+    assert step((1.0,)) == pytest.approx(21.0)
+    # two calls of 2 tokens, 5 s outside after each, the slot free meanwhile: A 0-4,
+    # B 4-8, A again 9-13 (its tool done at 9), B 13-17 (its at 13), B's verifier to 22
+    assert step((0.0, 1.0)) == pytest.approx(22.0)
+    with pytest.raises(ValueError, match="turns="):
+        Scenario(p, 1, 2, T=0.0, turns=(0.0, 0.0))

@@ -120,9 +120,10 @@ class ThreadedSource:
     no thread waits on a generation) opens them with :meth:`begin` and resolves them
     with :meth:`settle` or :meth:`settle_on_pool`.
 
-    ``outside`` is a :class:`~dew.core.LogHistogram` of the seconds each rollout spent
-    outside the engine (its verifier, its tools, its environment), for the run's
-    profile; a subclass adds one value per scored rollout.
+    ``outside`` is a :class:`~dew.core.LogHistogram` of the seconds rollouts spend
+    outside the engine after each of their model calls (a tool or an environment step;
+    after the last call, the verifier), for the run's profile; a subclass adds one value
+    per call of a scored rollout.
     """
 
     def __init__(self, *, workers: int = 8, stuck_after: float = 10.0) -> None:

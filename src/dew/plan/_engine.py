@@ -89,6 +89,7 @@ class EngineModel:
         self._rate = 0.0  # tokens per second per active sequence; kept with _active
         self._unfilled = False  # a slot may be free for a queued request (see the docstring)
         self._a, self._b, self._cap = config.a, config.b, config.max_active  # read per event
+        self._slowdown = 1.0  # iteration time multiplier (the trainer busy on shared cores)
 
     @property
     def served(self) -> int:
@@ -127,7 +128,18 @@ class EngineModel:
             self._tiebreak += 1
             heapq.heappush(self._heap, (seq.start_p + seq.length, self._tiebreak, seq))
         n = len(active)
-        self._rate = 1.0 / (self._a + self._b * n) if n else 0.0
+        self._rate = 1.0 / ((self._a + self._b * n) * self._slowdown) if n else 0.0
+
+    @property
+    def slowdown(self) -> float:
+        return self._slowdown
+
+    @slowdown.setter
+    def slowdown(self, factor: float) -> None:
+        """Iterations from now on take ``factor`` times as long (time stands at ``now``:
+        progress so far is kept)."""
+        self._slowdown = factor
+        self._fill()
 
     def _top(self) -> tuple[float, int, _Seq] | None:
         if self._unfilled:
@@ -255,6 +267,15 @@ class FleetModel:
     @property
     def active(self) -> int:
         return sum(e.active for e in self.engines)
+
+    @property
+    def slowdown(self) -> float:
+        return self.engines[0].slowdown
+
+    @slowdown.setter
+    def slowdown(self, factor: float) -> None:
+        for e in self.engines:
+            e.slowdown = factor
 
     def add(self, key: Hashable, length: int) -> None:
         group = getattr(key, "group", key)

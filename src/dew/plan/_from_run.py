@@ -73,13 +73,21 @@ def fit_lines(fit: RunFit) -> list[str]:
             f"             {name}: a {a * 1e3:.3g} ms, b {b * 1e3:.3g} ms, {n:,} iterations"
         )
     lines.append(
-        f"  trainer    T {fit.T:.3g} s per step (step less its wait, median); the run waited "
-        f"{m.waited:.3g} s per step"
+        f"  trainer    T {fit.T:.3g} s of work per step alone; at work {m.busy:.3g} s per step "
+        f"(its step less its wait, median) and waiting {m.waited:.3g} s"
     )
     lines.append(
-        f"  also       prompts median {m.prompt:.3g} tokens, {m.turns:.2g} calls per rollout; "
-        f"the profile took {m.profile_cpu * 1e3:.2g} ms CPU per step"
+        f"  sharing    {fit.sharing:.2f}: the share of its speed the trainer and an engine "
+        "keep while both work"
+        + (" (separate devices)" if fit.sharing == 1.0 else " (shared cores)")
     )
+    lines.append(
+        f"  turns      {m.turns:.2g} calls per rollout ("
+        + ", ".join(f"{k}: {share:.0%}" for k, share in enumerate(fit.turns, 1) if share)
+        + f"), a rollout's length split evenly over them; prompts median {m.prompt:.3g} "
+        "tokens"
+    )
+    lines.append(f"  cost       the profile took {m.profile_cpu * 1e3:.2g} ms CPU per step")
     lines.append(
         f"  the run    {m.step_time:.3g} s per step, {m.samples_per_s:.3g} admitted samples/s, "
         f"{m.limit_fraction:.2f} of its limit max(T, batch tokens / full throughput)"

@@ -229,14 +229,17 @@ def _from_run(ap: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     best, f = ranked.best, ranked.best_figures
     run = Path(args.from_run)
     kind, config = run_config(run if run.is_dir() else run.parent)
-    line = f"--task {config['task']}" if kind == "demo" and "task" in config else ""
+    folder = run if run.is_dir() else run.parent
+    line = {"demo": f"--task {config.get('task', 'single')}", "train": str(folder / "config.toml")}
     print(
         f"recommended: {best.name}: {f.fraction:.2f} of the limit, {f.samples_per_s:.3g} "
         f"samples/s ({f.samples_per_s / ranked.own.samples_per_s:.2f}x this run's policy as "
         f"planned), lag {f.lag:.2f}, length bias {f.length_bias:.3f}"
     )
+    if best.name == fit.policy.name:
+        print("  this run's own policy: keep it")
     for k in [kind] if kind else ["demo", "train"]:
-        print(f"  run it: {overrides(best, k, line)}")
+        print(f"  run it: {overrides(best, k, line.get(k, ''))}")
     return 0
 
 

@@ -11,10 +11,23 @@ the first ``skip`` and fits what :class:`~dew.plan.planner.Scenario` needs:
   the spread between tasks and within a group from the groups' log-length sums (the
   variance of group means less the part a group's own spread explains). The cap is
   the longest truncated length, or the run's ``max_tokens``.
-* **latency**: the seconds rollouts spent outside the engine, as a lognormal from
-  the same quantiles (0 when the source kept none).
+* **latency**: the seconds rollouts spent outside the engine after each model call,
+  as a lognormal from the same quantiles (0 when the source kept none).
+* **turns**: the shares of rollouts that made 1, 2, 3, ... model calls; the planner
+  draws each rollout's and splits its length evenly over them. A config's
+  ``max_tokens`` bounds one call, so a multi-turn rollout's cap is that many times the
+  most turns seen.
 * **T**: the median over steps of the step's seconds less what it waited on rollouts:
-  the trainer's own time per step (its update, the weight push, the packing).
+  the trainer's own time per step (its update, the weight push, the packing), less
+  what running beside the engines cost it (below).
+* **sharing**: on one machine the trainer and the engines share its cores. The
+  profile tells the engine's iterations that ran while the trainer waited (alone)
+  from the rest (beside the trainer's work); at like active counts, seconds per
+  iteration alone over beside is the share of its speed each keeps while both work
+  (1 on separate devices). The engine line is fitted to the iterations as they would
+  have run alone, and ``T`` to the trainer's work alone: its busy seconds less
+  ``(1 - sharing)`` of the engine seconds beside it. The planner runs them side by side
+  again with that sharing (:class:`~dew.plan.planner.Scenario`).
 * **engine**: per engine, ``a + b * active`` by least squares over its iteration log
   (:meth:`dew.core.IterationLog.fit_line`); the planner runs as many engines as the
   last step saw, each with the iteration-weighted mean of their ``a`` and ``b``.
@@ -38,6 +51,7 @@ from pathlib import Path
 from typing import Any
 
 from dew.core import IterationLog, LogHistogram
+from dew.core.sketch import BUCKETS_PER_OCTAVE
 from dew.objectives.rl.config import SchedulerConfig
 from dew.objectives.rl.profile import PROFILE_FORMAT
 from dew.plan._engine import EngineConfig
@@ -69,6 +83,7 @@ class Measured:
     """What the run did over the fitted steps (means over them)."""
 
     step_time: float  # seconds per step
+    busy: float  # median seconds per step the trainer was at work (the step less its wait)
     samples_per_s: float  # admitted samples per second
     waited: float  # seconds per step the trainer waited on rollouts
     limit_fraction: float  # sum of max(train time, batch tokens / full throughput) / elapsed
@@ -88,8 +103,10 @@ class RunFit:
     latency: float
     latency_sigma: float
     T: float
-    engine: EngineConfig
+    engine: EngineConfig  # as it runs alone
     engines: int
+    sharing: float  # the share of their speed the trainer and an engine keep side by side
+    turns: tuple[float, ...]  # shares of rollouts making 1, 2, 3, ... model calls
     tasks: int
     group: int
     policy: SchedulerConfig  # the run's own
@@ -111,6 +128,8 @@ class RunFit:
             latency=self.latency,
             latency_sigma=self.latency_sigma,
             engines=self.engines,
+            sharing=self.sharing,
+            turns=self.turns,
         )
 
 
@@ -221,6 +240,9 @@ def fit_records(
     logs = {"groups": 0.0, "mean_sum": 0.0, "mean_sq": 0.0, "within_ss": 0.0, "within_df": 0.0}
     truncated, cap = 0, 0
     engines: dict[str, IterationLog] = {}
+    alone: dict[str, IterationLog] = {}  # iterations while the trainer waited
+    beside: dict[str, IterationLog] = {}  # the rest: beside the trainer's own work
+    busy: list[float] = []  # per step: engine seconds beside the trainer (engine mean)
     engine_slots: dict[str, int] = {}
     kept_outside = False
     for p in profiles:
@@ -235,17 +257,27 @@ def fit_records(
         if "outside" in p:
             kept_outside = True
             outside = outside.merged(LogHistogram.from_json(p["outside"]))
+        step_busy = []
         for e in p.get("engines") or ():
             name = str(e["name"])
             log = IterationLog.from_json(e["iterations"])
-            engines[name] = engines[name].merged(log) if name in engines else log
+            _merge(engines, name, log)
             engine_slots[name] = int(e["max_active"])
+            if "waiting" in e:
+                waiting = IterationLog.from_json(e["waiting"])
+                rest = log.since(waiting)
+                _merge(alone, name, waiting)
+                _merge(beside, name, rest)
+                step_busy.append(sum(sec for _, sec in rest.rows().values()))
+        busy.append(statistics.fmean(step_busy) if step_busy else 0.0)
     if lengths.count == 0:
         raise RunError("the fitted steps finished no rollout: nothing to fit lengths to")
     share_capped = truncated / lengths.count
     median, sigma = _lognormal(lengths, capped=share_capped > _CAPPED)
     sigma_task, sigma_sample = _split(sigma, logs)
-    cap = cap or max_tokens or max(int(lengths.quantile(1.0)) * 4, 1)
+    # A config's max_tokens bounds one call: a multi-turn rollout's is that many per turn.
+    turns_max = max(math.floor(turns.quantile(1.0)), 1) if turns.count else 1
+    cap = cap or (max_tokens and max_tokens * turns_max) or max(int(lengths.quantile(1.0)) * 4, 1)
     preset = LengthPreset("fitted", math.log(max(median, 1.0)), sigma_task, sigma_sample, cap)
 
     if kept_outside:
@@ -254,11 +286,29 @@ def fit_records(
         latency, latency_sigma = 0.0, 0.0
         warnings.append("the source kept no time outside the engine: verifier latency taken as 0")
 
+    sharing = _sharing(alone, beside)
+    if sharing is None:
+        sharing = 1.0
+        if beside:
+            warnings.append(
+                "too few iterations at like loads with and without the trainer at work to "
+                "measure how they share the machine: taken as separate devices"
+            )
+    else:  # what the iterations beside the trainer would have taken alone
+        engines = {
+            n: _scaled(alone.get(n), beside.get(n), sharing) or log for n, log in engines.items()
+        }
     per_engine, engine, n_engines = _fit_engines(engines, engine_slots, steps, warnings)
 
     seconds = [float(r["seconds"]) for r in steps]
     waited = [float(r["scheduler"]["waited"]) for r in steps]
-    T = statistics.median(s - w for s, w in zip(seconds, waited, strict=True))
+    busy_T = [s - w for s, w in zip(seconds, waited, strict=True)]
+    # The trainer's work alone: step k's busy time ran beside the engine for the engine
+    # seconds the next step's profile counts before its wait (its training, its push).
+    alongside = [*busy[1:], busy[-1]]
+    T = statistics.median(
+        t - (1.0 - sharing) * min(e, t) for t, e in zip(busy_T, alongside, strict=True)
+    )
     policy_json = profiles[-1]["policy"]
     group = int(policy_json["groups"])
     tasks = max(int(p["policy"]["tasks"]) for p in profiles)
@@ -295,6 +345,7 @@ def fit_records(
     )
     measured = Measured(
         step_time=elapsed / len(steps),
+        busy=statistics.median(busy_T),
         samples_per_s=samples / elapsed,
         waited=sum(waited) / len(steps),
         limit_fraction=limit / elapsed,
@@ -312,6 +363,8 @@ def fit_records(
         T=T,
         engine=engine,
         engines=n_engines,
+        sharing=sharing,
+        turns=_turn_shares(turns),
         tasks=tasks,
         group=group,
         policy=policy,
@@ -337,6 +390,73 @@ def _split(sigma: float, logs: Mapping[str, float]) -> tuple[float, float]:
     if total <= 0:
         return sigma, 0.0
     return sigma * math.sqrt(task / total), sigma * math.sqrt(within / total)
+
+
+def _turn_shares(turns: LogHistogram) -> tuple[float, ...]:
+    """Shares of rollouts making 1, 2, ... calls, from the sketch of calls per rollout
+    (small integers fall in distinct buckets: the middle of each rounds to its own)."""
+    counts: dict[int, int] = {}
+    for i, n in turns.to_json()["buckets"].items():
+        k = max(round(2 ** ((int(i) + 0.5) / BUCKETS_PER_OCTAVE)), 1)
+        counts[k] = counts.get(k, 0) + n
+    if not counts:
+        return (1.0,)
+    total = sum(counts.values())
+    return tuple(counts.get(k, 0) / total for k in range(1, max(counts) + 1))
+
+
+def _merge(into: dict[str, IterationLog], name: str, log: IterationLog) -> None:
+    into[name] = into[name].merged(log) if name in into else log
+
+
+def _bins(log: IterationLog) -> dict[int, tuple[int, float]]:
+    """Iterations and seconds per quarter-octave of active count."""
+    out: dict[int, tuple[int, float]] = {}
+    for k, (n, sec) in log.rows().items():
+        if n and k:
+            b = math.floor(math.log2(k) * 4)
+            n0, s0 = out.get(b, (0, 0.0))
+            out[b] = (n0 + n, s0 + sec)
+    return out
+
+
+MIN_MATCHED = 5  # iterations at like loads, either way, that measure the sharing
+
+
+def _sharing(alone: Mapping[str, IterationLog], beside: Mapping[str, IterationLog]) -> float | None:
+    """How fast an engine goes beside the trainer's work against alone: the geometric
+    mean, over loads seen both ways, of seconds per iteration alone over beside (in
+    ``(0, 1]``; None without :data:`MIN_MATCHED` iterations each way at like loads)."""
+    total = weight = 0.0
+    matched_alone = matched_beside = 0
+    for name, a_log in alone.items():
+        b_log = beside.get(name)
+        if b_log is None:
+            continue
+        a_bins, b_bins = _bins(a_log), _bins(b_log)
+        for b in a_bins.keys() & b_bins.keys():
+            (na, sa), (nb, sb) = a_bins[b], b_bins[b]
+            if sa <= 0 or sb <= 0:
+                continue
+            w = na * nb / (na + nb)
+            total += w * math.log((sa / na) / (sb / nb))
+            weight += w
+            matched_alone += na
+            matched_beside += nb
+    if min(matched_alone, matched_beside) < MIN_MATCHED:
+        return None
+    return min(max(math.exp(total / weight), 0.05), 1.0)
+
+
+def _scaled(
+    alone: IterationLog | None, beside: IterationLog | None, sharing: float
+) -> IterationLog | None:
+    """The iterations as they would have run alone: those beside the trainer's work
+    take ``sharing`` of their seconds."""
+    if alone is None or beside is None:
+        return None
+    rows = {str(k): [n, sec * sharing] for k, (n, sec) in beside.rows().items()}
+    return alone.merged(IterationLog.from_json(rows))
 
 
 def _fit_engines(

@@ -22,14 +22,20 @@ event (a completion, a trainer step ending) to the next.
   cost of running them (threads, packing, Python), which is what the benchmark
   measures. The simulated engine never fails, so ``max_attempts`` never comes into
   play, and rollout timeouts are not modelled: a config with a ``timeout`` is refused.
+* Turns (``turns``: the shares of rollouts that make 1, 2, 3, ... model calls): each
+  rollout draws its number of calls, and its drawn length is split evenly into that
+  many calls, and after each call it waits a latency drawn for that call (a tool, and
+  after the last the verifier); between calls it holds no engine slot.
 * The verifier: a rollout whose generation ended is scored after a latency drawn per
-  rollout (lognormal with median ``latency`` and sigma ``latency_sigma``, both 0 by
-  default), during which it holds no engine slot; a sandbox or a tool-backed reward
-  model. The scheduler sees the rollout finish when its score is in.
+  rollout (per call, multi-turn: lognormal with median ``latency`` and sigma
+  ``latency_sigma``, both 0 by default), during which it holds no engine slot; a
+  sandbox or a tool-backed reward model. The scheduler sees the rollout finish when its score is in.
 * The trainer: step ``k`` registers batches up to ``k + ahead`` (the prefetch),
   pushes weights version ``k`` when the served version is ``sync_every`` behind,
   hands over batch ``k``, waits until it can be consumed, then trains for ``T``
-  seconds.
+  seconds. With ``sharing < 1`` the trainer and the engines share one machine's
+  cores: while the trainer works and an engine runs, each goes at ``sharing`` of its
+  own speed, so ``T`` stretches and iterations slow down by as much as they overlap.
 
 Task ``i`` of batch ``k`` is task id ``k * tasks + i``; lengths come from
 :class:`dew.plan.presets.LengthDraws`, so the simulated-engine run with the same seed
@@ -91,9 +97,14 @@ class Scenario:
     seed: int = 0
     quantum: int = 1  # lengths rounded up to a multiple of this
     engine: EngineConfig = field(default_factory=EngineConfig)
-    latency: float = 0.0  # median seconds from a rollout's last token to its score
+    latency: float = 0.0  # median seconds from a call's last token to its score (or next call)
     latency_sigma: float = 0.0  # sigma of the lognormal verifier latency
     engines: int = 1  # identical engines behind a fleet's routing (FleetModel)
+    # Shares of rollouts making 1, 2, 3, ... model calls (see the module docstring).
+    turns: tuple[float, ...] = (1.0,)
+    # While the trainer works and an engine runs, each goes at this share of its own
+    # speed: one machine's cores shared between them (1: separate devices).
+    sharing: float = 1.0
 
     def __post_init__(self) -> None:
         for name in ("latency", "latency_sigma"):
@@ -104,8 +115,12 @@ class Scenario:
             raise ValueError(f"tasks={self.tasks} and group={self.group} must be >= 1")
         if not (self.T >= 0 and math.isfinite(self.T)):
             raise ValueError(f"T={self.T}: must be a finite number of seconds >= 0")
+        if not 0 < self.sharing <= 1:
+            raise ValueError(f"sharing={self.sharing}: must be in (0, 1]")
         if self.engines < 1:
             raise ValueError(f"engines={self.engines}: must be >= 1")
+        if not self.turns or min(self.turns) < 0 or not sum(self.turns) > 0:
+            raise ValueError(f"turns={self.turns}: shares of 1, 2, ... calls, >= 0, not all 0")
         if not 0 <= self.warmup < self.steps:
             raise ValueError(f"warmup={self.warmup}: must be in [0, steps={self.steps})")
 
@@ -126,22 +141,25 @@ class Scenario:
 
 
 class _Latencies:
-    """Verifier seconds per ``(task, sample, attempt)``, seeded like the lengths: one
-    generator per ``(task, attempt)`` draws the whole group's latencies at once."""
+    """Seconds outside the engine per ``(task, sample, attempt, call)``, seeded like the
+    lengths: one generator per ``(task, attempt, call)`` draws the whole group's at
+    once."""
 
     def __init__(self, sc: Scenario, block: int) -> None:
         self.median, self.sigma = sc.latency, sc.latency_sigma
         self.seed, self.block = sc.seed, block
-        self._rows: dict[tuple[int, int], list[float]] = {}
+        self._rows: dict[tuple[int, int, int], list[float]] = {}
 
-    def get(self, task: int, sample: int, attempt: int) -> float:
+    def get(self, task: int, sample: int, attempt: int, call: int = 0) -> float:
         if self.median == 0.0:
             return 0.0
-        row = self._rows.get((task, attempt))
+        row = self._rows.get((task, attempt, call))
         if row is None:
-            rng = np.random.default_rng([self.seed, task, attempt, 1 << 20])
-            z = rng.normal(size=self.block)  # [block]
-            row = self._rows[(task, attempt)] = (self.median * np.exp(self.sigma * z)).tolist()
+            # the first call's seeding is the single-turn one: those plans draw as before
+            seed = [self.seed, task, attempt, 1 << 20] + ([call] if call else [])
+            z = np.random.default_rng(seed).normal(size=self.block)  # [block]
+            row = (self.median * np.exp(self.sigma * z)).tolist()
+            self._rows[(task, attempt, call)] = row
         return row[sample]
 
 
@@ -202,6 +220,29 @@ class _Run:
         self.ledgers: defaultdict[int, BatchLedger] = defaultdict(BatchLedger)
         self.registered = 0
         self._calls: dict[tuple[int, bool], Call] = {}  # (version, truncated) -> shared call
+        # Multi-turn rollouts (scenario.turns > 1): each key's turns still to run, the
+        # length of the one in the engine, and the version of its first.
+        self._left: dict[RolloutKey, list[int]] = {}
+        self._turn: dict[RolloutKey, int] = {}
+        self._first: dict[RolloutKey, int] = {}
+        self._calls_of: dict[RolloutKey, int] = {}
+        shares = np.asarray(sc.turns, dtype=np.float64)
+        self._multi = len(sc.turns) > 1
+        self._cumulative = (np.cumsum(shares) / shares.sum()).tolist()
+
+    def _split(self, key: RolloutKey, length: int) -> int:
+        """Draw a multi-turn rollout's calls and split its ``length`` over them; the
+        first call's length."""
+        # a uniform draw from the key and the seed alone, so every plan draws alike
+        mixed = key.group * 1_000_003 + key.sample * 10_007 + key.attempt * 101 + self.sc.seed
+        u = (mixed * 2_654_435_761 % 2**32) / 2**32
+        calls = next(i for i, c in enumerate(self._cumulative, 1) if u < c or c >= 1.0)
+        turns = self._calls_of[key] = min(calls, length)
+        base, extra = divmod(length, turns)
+        parts = [base + 1] * extra + [base] * (turns - extra)
+        self._left[key] = parts[1:]
+        self._turn[key] = parts[0]
+        return parts[0]
 
     def execute(self, actions: list[Start | Cancel]) -> None:
         if not actions:  # most finish events start and cancel nothing
@@ -213,7 +254,7 @@ class _Run:
             if type(action) is Start:
                 tid = int(action.task.id)
                 length, truncated = draws.get(tid, key.sample, key.attempt)
-                engine.add(key, length)
+                engine.add(key, self._split(key, length) if self._multi else length)
                 info[key] = (action.task, tid, length, truncated)
                 if tid // tasks != batch:  # a submission's starts are all of one batch
                     batch = tid // tasks
@@ -223,18 +264,49 @@ class _Run:
                 out = engine.cancel(key)
                 if out is not None and out[0]:  # a queued request had generated nothing
                     ledgers[info[key][1] // tasks].generated += out[0]
+                if self._left:  # multi-turn: between two turns it does not come back
+                    self._left.pop(key, None)
+                    self._turn.pop(key, None)
+                    self._first.pop(key, None)
+                    self._calls_of.pop(key, None)
 
     def _generated(self, key: RolloutKey, at: float, version: int) -> int | None:
-        """The engine finished ``key``: admit it, or queue it for its verifier; returns
-        the batch when it was admitted now."""
+        """The engine finished ``key`` (a turn of it, multi-turn): admit it, or queue
+        it for its verifier (or its tool, before the next turn); returns the batch when
+        it was admitted now."""
         _, tid, length, _ = self.info[key]
+        if self._multi:  # each call's own wait: its index is how many are done
+            call = self._calls_of[key] - len(self._left.get(key, ())) - 1
+            latency = self.latencies.get(tid, key.sample, key.attempt, call)
+            length = self._turn.pop(key)
+            version = self._first.setdefault(key, version)  # its oldest call's
+            if self._left.get(key):
+                self.ledgers[tid // self.sc.tasks].generated += length
+                self._tiebreak += 1  # a tool's latency, then the next turn (version -1)
+                heapq.heappush(self.verifying, (at + latency, self._tiebreak, key, -1))
+                return None
+            del self._first[key]
+            self._left.pop(key, None)
+            self._calls_of.pop(key, None)
+        else:
+            latency = self.latencies.get(tid, key.sample, key.attempt)
         self.ledgers[tid // self.sc.tasks].generated += length
-        latency = self.latencies.get(tid, key.sample, key.attempt)
         if latency == 0.0:
             return self._finished(key, at, version)
         self._tiebreak += 1
         heapq.heappush(self.verifying, (at + latency, self._tiebreak, key, version))
         return None
+
+    def _next_turn(self, key: RolloutKey) -> None:
+        """A multi-turn rollout's tool answered: its next turn joins the engine, unless
+        it was cancelled meanwhile."""
+        left = self._left.get(key)
+        if not left:
+            self._first.pop(key, None)
+            self._calls_of.pop(key, None)
+            return
+        self._turn[key] = length = left.pop(0)
+        self.engine.add(key, length)
 
     def _next_event(self, t: float) -> tuple[bool, int | None]:
         """Process the next completion or score at or before ``t``; ``(whether one
@@ -246,6 +318,9 @@ class _Run:
             return True, self._generated(*done)
         if scored <= t:  # the engine's clock stands at the score's time
             at, _, key, version = heapq.heappop(self.verifying)
+            if version < 0:
+                self._next_turn(key)
+                return True, None
             return True, self._finished(key, at, version)
         return False, None
 
@@ -280,6 +355,26 @@ class _Run:
                 return
             if admitted is not None and admitted == batch and adm.ready():
                 return
+
+    def train_shared(self, work: float) -> None:
+        """The trainer's ``work`` seconds on cores it shares with the engines: while any
+        engine runs, the trainer and the engines each go at ``sharing`` of their speed.
+        Completions and scores on the way are processed as they come."""
+        engine, share = self.engine, self.sc.sharing
+        engine.slowdown = 1.0 / share
+        while work > 1e-12:
+            rate = share if engine.active else 1.0
+            done = engine.now + work / rate
+            scored = self.verifying[0][0] if self.verifying else math.inf
+            nxt = engine.next_completion()
+            event = min(scored, math.inf if nxt is None else nxt)
+            if done <= event:
+                self.run_until(done)  # nothing comes before: the clock moves to it
+                break
+            start = engine.now
+            self._next_event(event)
+            work -= (engine.now - start) * rate
+        engine.slowdown = 1.0
 
     def register_until(self, n: int) -> None:
         tasks = self.sc.tasks
@@ -322,7 +417,10 @@ class _Run:
                 if not truncated:
                     trained += length
                     lagged += length * (k - version)
-        self.run_until(ready + self.sc.T)
+        if self.sc.sharing == 1.0:
+            self.run_until(ready + self.sc.T)
+        else:
+            self.train_shared(self.sc.T)
         return StepTrace(
             call=call,
             ready=ready,

@@ -177,3 +177,64 @@ def test_the_engines_iterations_while_the_trainer_waited_are_told_apart():
     (entry,) = profiler.step([[_rollout(0, 0, [3])]], [], [])["engines"]
     assert IterationLog.from_json(entry["iterations"]).rows() == {8: (1, pytest.approx(0.3))}
     assert entry["waiting"] == {}
+
+
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+_OPS = st.lists(
+    st.one_of(
+        st.tuples(st.just("outside"), st.floats(0.0, 10.0)),
+        st.tuples(st.just("iteration"), st.integers(1, 64)),
+        st.tuples(st.just("wait"), st.booleans()),
+        st.tuples(st.just("fail"), st.booleans()),
+        st.tuples(st.just("step"), st.just(0)),
+    ),
+    max_size=60,
+)
+
+
+@given(_OPS)
+@settings(max_examples=60, deadline=None)
+def test_the_steps_sum_to_what_the_source_and_engine_counted(ops):
+    """Whatever the order of reads, waits and failed reads, the steps' outside and
+    engine sections add up to the cumulative sketches as of the last call's read (a
+    step counts the engine up to the end of its wait; what comes after, the next
+    step), and the part marked waiting is never more than the whole."""
+    source = _Source()
+    profiler = StepProfiler(SchedulerConfig(), source)
+    outside, iterations = LogHistogram(), IterationLog()
+    waiting_total = 0
+
+    def step() -> None:
+        nonlocal outside, iterations, waiting_total
+        p = profiler.step([[_rollout(0, 0, [3])]], [], [])
+        outside = outside.merged(LogHistogram.from_json(p["outside"]))
+        for e in p.get("engines", ()):
+            whole = IterationLog.from_json(e["iterations"])
+            iterations = iterations.merged(whole)
+            if "waiting" in e:
+                part = IterationLog.from_json(e["waiting"])
+                assert part.iterations <= whole.iterations
+                waiting_total += part.iterations
+
+    for op, value in ops:
+        if op == "outside":
+            source.outside.add(value)
+        elif op == "iteration":
+            source.engine.log.add(value, 0.001)
+        elif op == "wait":
+            profiler.wait_begins() if value else profiler.wait_ends()
+        elif op == "fail":
+            source.engine.fail = EngineError("down") if value else None
+        else:
+            step()
+    source.engine.fail = None
+    profiler.wait_begins()  # a last call as the scheduler makes it: its wait, then its step
+    profiler.wait_ends()
+    step()
+    assert outside.count == source.outside.count
+    got, want = iterations.rows(), source.engine.log.rows()
+    assert {k: n for k, (n, _) in got.items()} == {k: n for k, (n, _) in want.items()}
+    assert all(got[k][1] == pytest.approx(want[k][1]) for k in want)
+    assert waiting_total <= iterations.iterations

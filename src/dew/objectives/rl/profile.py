@@ -25,9 +25,10 @@ that step's record, which ``dew plan --from-run`` fits (:mod:`dew.plan.fit`):
 ``prompt``, ``turns``
     Prompt tokens of each finished rollout's first call, and its calls.
 ``outside``
-    Seconds each rollout spent outside the engine (a verifier, tools, an
-    environment) since the last call, from the source's ``outside`` sketch; absent
-    when the source keeps none.
+    Seconds rollouts spent outside the engine after each of their model calls (a
+    tool or an environment step; after the last, the verifier), counted since the
+    last trainer call, from the source's ``outside`` sketch; absent when the source
+    keeps none.
 ``engines``
     Each engine's iterations since the last call (:class:`~dew.core.EngineTimings`
     JSON), from the source's engine when it is :class:`~dew.core.Timed`; absent
@@ -37,12 +38,17 @@ that step's record, which ``dew plan --from-run`` fits (:mod:`dew.plan.fit`):
     engine alone, where the rest ran beside the trainer's own work. On one machine the
     two share its cores, and the planner's fit measures what that costs each.
 ``cpu``
-    Seconds of this thread's CPU the profile took, itself included.
+    Seconds of the trainer thread's CPU the profile took, itself and this call's
+    engine reads included (what the engine spends counting its iterations, and a
+    source its time outside, is theirs: a lock and a dict update each).
 
 Invariants: the profiler reads the source and the engine only through cumulative
 snapshots, so the sum of a run's ``outside`` and ``engines`` sections is what they
-counted from the first call on (an engine that restarted counts from zero again and
-is taken whole); it never raises out of a step for an engine it could not read.
+counted from the first call on, up to the last call's read (a step counts the engine
+up to the end of its wait; what runs after, while the batch is packed, goes to the
+next); an engine that restarted counts from zero again and is taken whole; a read that
+fails is counted by the next that succeeds; a step never raises for an engine it could
+not read.
 """
 
 from __future__ import annotations
@@ -74,6 +80,7 @@ class StepProfiler:
         self._wait_began: dict[str, EngineTimings] | None = None
         self._wait_ended: dict[str, EngineTimings] | None = None
         self._error: str | None = None
+        self._read_cpu = 0.0  # CPU of the engine reads since the last step
 
     def wait_begins(self) -> None:
         """The trainer starts to wait for this call's rollouts."""
@@ -86,11 +93,14 @@ class StepProfiler:
     def _read(self) -> dict[str, EngineTimings] | None:
         if self._engine is None:
             return None
+        cpu = time.thread_time()
         try:
             return {e.name: e for e in self._engine.timings()}
         except Exception as exc:  # a fleet member down: the next read counts it again
             self._error = error_text(exc)
             return None
+        finally:
+            self._read_cpu += time.thread_time() - cpu
 
     def step(
         self,
@@ -146,7 +156,8 @@ class StepProfiler:
             self._seen_outside = now
         if self._engine is not None:
             self._read_engines(out)
-        out["cpu"] = time.thread_time() - cpu
+        out["cpu"] = time.thread_time() - cpu + self._read_cpu
+        self._read_cpu = 0.0
         return out
 
     def _read_engines(self, out: dict[str, Any]) -> None:

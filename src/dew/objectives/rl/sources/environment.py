@@ -103,6 +103,27 @@ class _Outcome(Exception):
         self.status, self.truncation, self.error = status, truncation, error
 
 
+class _Gaps:
+    """The seconds a rollout spends outside the engine after each of its calls (the
+    environment's step; after the last, the final step and the score)."""
+
+    def __init__(self) -> None:
+        self.seconds: list[float] = []
+        self._ended: float | None = None
+
+    def call_starts(self) -> None:
+        if self._ended is not None:
+            self.seconds.append(time.monotonic() - self._ended)
+            self._ended = None
+
+    def call_ends(self) -> None:
+        self._ended = time.monotonic()
+
+    def done(self) -> list[float]:
+        self.call_starts()
+        return self.seconds
+
+
 class EnvironmentSource(ThreadedSource):
     """Multi-turn rollouts: a fresh ``make_env()`` environment per rollout."""
 
@@ -137,17 +158,14 @@ class EnvironmentSource(ThreadedSource):
         self.max_turns = max_turns
         self.max_context = max_context
         self.wall_clock = wall_clock
-        # seconds this worker's rollout has waited on the engine, per worker thread
-        self._engine_seconds = threading.local()
 
     def run(self, task: Task, key: RolloutKey, stop: threading.Event) -> Rollout:
         calls: list[Call] = []
         env: Environment | None = None
-        started = time.monotonic()
-        self._engine_seconds.value = 0.0
+        gaps = _Gaps()
         try:
             env = self.make_env()
-            outcome = self._episode(env, task, key, stop, calls)
+            outcome = self._episode(env, task, key, stop, calls, gaps)
         except _Outcome as out:
             outcome = out
         except Exception as exc:  # the environment broke: recorded, never a reward
@@ -173,8 +191,7 @@ class EnvironmentSource(ThreadedSource):
         if outcome.status is Status.INFRA_ERROR:
             reward, parts = None, {}
         elif outcome.status is not Status.CANCELLED:  # the environment's share of its time
-            spent = time.monotonic() - started - self._engine_seconds.value
-            self.outside.add(max(spent, 0.0))
+            self.outside.extend(gaps.done())
         return Rollout(
             key=key,
             task=task,
@@ -193,6 +210,7 @@ class EnvironmentSource(ThreadedSource):
         key: RolloutKey,
         stop: threading.Event,
         calls: list[Call],
+        gaps: _Gaps,
     ) -> _Outcome:
         deadline = None if self.wall_clock is None else time.monotonic() + self.wall_clock
         prompt = self.chat.first(_messages(env.reset(task), "reset"))
@@ -208,14 +226,14 @@ class EnvironmentSource(ThreadedSource):
                 raise _Outcome(Status.TRUNCATED, "context")
             full = self.sampling.max_tokens
             params = self.sampling if room >= full else replace(self.sampling, max_tokens=room)
-            asked = time.monotonic()
+            gaps.call_starts()
             try:
                 call = self.engine.generate(prompt, params, stop=stop, affinity=key.group)
             except Aborted:
                 raise _Outcome(Status.CANCELLED, error="cancelled") from None
             except EngineError as exc:  # lost to a fault: the sample runs again
                 raise _Outcome(Status.INFRA_ERROR, error=f"engine: {error_text(exc)}") from None
-            self._engine_seconds.value += time.monotonic() - asked
+            gaps.call_ends()
             calls.append(call)
             if call.finish_reason == "length" and params.max_tokens < full:
                 raise _Outcome(Status.TRUNCATED, "context")
