@@ -193,8 +193,7 @@ def train(
                 return _train(
                     prepared, run, pool, stack, resume=resume, progress=progress, steps=steps
                 )
-            _check_auto(pool, choose)
-            assert choose is not None
+            choose = _auto_choice(pool, choose)
             return _auto(prepared, run, stack, choose, resume=resume, progress=progress)
     except ConfigError:
         if fresh:  # refused before it trained: a folder this call made leaves with it
@@ -372,7 +371,8 @@ def _lora(config: JobConfig) -> Any:
     return wrap
 
 
-def _check_auto(pool: Any, choose: Callable[..., Any] | None) -> None:
+def _auto_choice(pool: Any, choose: Callable[..., Any] | None) -> Callable[..., Any]:
+    """``choose``, once ``"auto"`` can run here (ConfigError saying why it cannot)."""
     if choose is None:
         raise ConfigError(
             'scheduler.policy: "auto" needs the planner, which `dew train` hands over (from '
@@ -383,6 +383,7 @@ def _check_auto(pool: Any, choose: Callable[..., Any] | None) -> None:
             'scheduler.policy: "auto" runs on one process only: under torchrun each process '
             "would fit its own share of the records"
         )
+    return choose
 
 
 def _auto(
@@ -413,7 +414,7 @@ def _auto(
         adoption["probe_steps"] = probe
         chosen.write_text(json.dumps(adoption, indent=1))
         for line in adoption["reason"]:
-            print(f"dew train: plan: {line}", file=sys.stderr, flush=True)
+            _report.say(f"plan: {line}")
         if adoption["policy"] is None:
             _report.say("the planner could not choose a policy: the config's knobs go on")
         resume = True

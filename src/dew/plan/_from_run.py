@@ -127,10 +127,12 @@ def overrides(policy: SchedulerConfig, kind: str, run_line: str = "") -> str:
         "admit": policy.admit,
     }
     if kind == "train":
+        head = ["dew train", run_line or "CONFIG"]
         parts = [f"--scheduler.{k} {v}" for k, v in knobs.items() if v is not None]
-        return f"dew train {run_line or 'CONFIG'} " + " ".join(parts)
-    parts = [f"--{k.replace('_', '-')} {v}" for k, v in knobs.items() if v is not None]
-    return f"dew demo {run_line} ".replace("  ", " ") + " ".join(parts)
+    else:
+        head = ["dew demo", run_line]
+        parts = [f"--{k.replace('_', '-')} {v}" for k, v in knobs.items() if v is not None]
+    return " ".join(x for x in (*head, *parts) if x)
 
 
 def table(ranked: Ranked, fit: RunFit) -> list[str]:

@@ -243,10 +243,13 @@ def fit_records(
     alone: dict[str, IterationLog] = {}  # iterations while the trainer waited
     beside: dict[str, IterationLog] = {}  # the rest: beside the trainer's own work
     busy: list[float] = []  # per step: engine seconds beside the trainer (engine mean)
+    batch_tokens: list[float] = []  # per step: its batch's tokens, at the mean finished length
     engine_slots: dict[str, int] = {}
     kept_outside = False
     for p in profiles:
-        lengths = lengths.merged(LogHistogram.from_json(p["lengths"]["finished"]))
+        finished = LogHistogram.from_json(p["lengths"]["finished"])
+        lengths = lengths.merged(finished)
+        batch_tokens.append(finished.mean * int(p["policy"]["groups"]) * int(p["policy"]["tasks"]))
         cancelled = cancelled.merged(LogHistogram.from_json(p["lengths"]["cancelled"]))
         prompt = prompt.merged(LogHistogram.from_json(p["prompt"]))
         turns = turns.merged(LogHistogram.from_json(p["turns"]))
@@ -333,16 +336,7 @@ def fit_records(
     elapsed = sum(seconds)
     samples = sum(int(r["scheduler"]["groups"]) * group for r in steps)
     full = engine.full_throughput * n_engines
-    limit = sum(
-        max(
-            s - w,
-            LogHistogram.from_json(p["lengths"]["finished"]).mean
-            * group
-            * int(p["policy"]["tasks"])
-            / full,
-        )
-        for s, w, p in zip(seconds, waited, profiles, strict=True)
-    )
+    limit = sum(max(t, n / full) for t, n in zip(busy_T, batch_tokens, strict=True))
     measured = Measured(
         step_time=elapsed / len(steps),
         busy=statistics.median(busy_T),

@@ -264,7 +264,7 @@ class _Run:
                 out = engine.cancel(key)
                 if out is not None and out[0]:  # a queued request had generated nothing
                     ledgers[info[key][1] // tasks].generated += out[0]
-                if self._left:  # multi-turn: between two turns it does not come back
+                if self._multi:  # between two turns it does not come back
                     self._left.pop(key, None)
                     self._turn.pop(key, None)
                     self._first.pop(key, None)
