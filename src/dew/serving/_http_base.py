@@ -41,7 +41,8 @@ Invariants:
   could not be made (nothing was sent) and, for idempotent requests (aborts, health,
   model info), broken connections and 5xx too. A generation or a weight push that may
   have reached the server is never re-sent (the scheduler decides what runs again), and
-  no timeout is retried (it waited its whole budget).
+  no timeout is retried (it waited its whole budget). The rules are
+  :mod:`dew.serving._http_exchange`'s.
 * ``version`` is the server's: set when the engine reads it and by every push, and
   raised (never lowered) by the version of every answer.
 """
@@ -50,7 +51,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import threading
 import uuid
 from collections.abc import Coroutine, Hashable, Mapping, Sequence
@@ -61,7 +61,8 @@ from typing import Any, TypeVar
 
 from dew.core import Aborted, Call, Engine, EngineError, EngineTimings, SamplingParams, as_int
 from dew.serving._folders import private_folder, release_folder
-from dew.serving._http_client import Broken, NotConnected, Pool, Response, TimedOut
+from dew.serving._http_client import Pool, Response
+from dew.serving._http_exchange import exchange, read_ok
 from dew.serving._requests import Request, make_request
 
 __all__ = [
@@ -76,7 +77,6 @@ __all__ = [
 T = TypeVar("T")
 
 _RESEND = 0.2  # seconds between two aborts of one request still in flight
-_BACKOFF = (0.05, 0.2, 0.5)  # delays between the tries of a request safe to retry
 _CONTROL_CONNECTIONS = 8
 # Idle connections are dropped before the server would: uvicorn's default keep-alive (the
 # one SGLang's and vLLM's servers run with) is 5 s, dew serve's 120 s. Sending on a
@@ -451,33 +451,8 @@ class LoopEngine(Engine):
                 await asyncio.sleep(0.1)
 
     async def _read(self, path: str) -> Response:
-        """``GET path`` answered 200, all of it within the connect timeout (a read that
-        does no work: a timings or metrics scrape). Tried once, and once more only when
-        a kept-alive connection broke under it (nothing is changed by a read); a server
-        that cannot be reached, answers late or answers anything but 200 raises
-        :class:`EngineError` naming the URL at once."""
-        where = f"{self._url}{path}"
-        budget = self._connect_timeout
-        deadline = self._loop.time() + budget
-        for last in (False, True):
-            left = deadline - self._loop.time()
-            if left <= 0:
-                break
-            try:
-                response = await self._ctl.request("GET", path, None, timeout=left)
-            except NotConnected as exc:
-                raise EngineError(f"{where}: {exc}") from None
-            except TimedOut:
-                break
-            except Broken as exc:
-                if last:
-                    raise EngineError(f"{where}: {exc}") from None
-                continue
-            if response.status != 200:
-                message = " ".join(response.error_message().split())[:300]
-                raise EngineError(f"{where}: {response.status}: {message}")
-            return response
-        raise EngineError(f"{where}: no answer within {budget:g}s")
+        """``GET path`` answered 200 within the connect timeout (:func:`read_ok`)."""
+        return await read_ok(self._ctl, path, self._connect_timeout)
 
     async def _request(
         self,
@@ -490,49 +465,14 @@ class LoopEngine(Engine):
         pool: Pool | None = None,
         many: bool = False,
     ) -> Any:
-        """One exchange; the JSON object a 200 answers (``{}`` for an empty body).
-        ``ValueError`` for a 4xx (the server's message), :class:`EngineError` for a
-        transport fault, a timeout, a 5xx or a malformed answer. A connection never
-        made is retried on every path (nothing was sent); with ``retry`` (idempotent
-        requests only) so are broken connections and 5xx; a timeout never is (it
-        already waited its whole budget). ``short``: the answer is due within the
-        connect timeout (requests that do no work); ``pool``: another server's (an
-        abort sent to a worker behind a router); ``many``: the answer is a JSON array
-        (a batch's)."""
+        """One exchange (:func:`exchange`) on this engine's pools: the generation pool
+        for the generate path, else the control pool. ``short``: the answer is due
+        within the connect timeout (requests that do no work); ``pool``: another
+        server's (an abort sent to a worker behind a router)."""
         if pool is None:
             pool = self._gen if path == self._generate_path else self._ctl
         timeout = self._connect_timeout if short else self._timeout
-        where = f"{pool.url}{path}"
-        payload = None if body is None else json.dumps(body).encode()
-        for delay in (*_BACKOFF, None):
-            try:
-                response = await pool.request(method, path, payload, timeout=timeout)
-            except NotConnected as exc:
-                fault = EngineError(f"{where}: {exc}")
-            except TimedOut as exc:
-                raise EngineError(f"{where}: no answer in time: {exc}") from None
-            except Broken as exc:
-                fault = EngineError(f"{where}: {exc}")
-                if not retry:
-                    raise fault from None
-            else:
-                status, data = response.status, response.json()
-                if 400 <= status < 500:
-                    raise ValueError(f"{where}: {status}: {response.error_message()}")
-                if status == 200:
-                    if not response.body:
-                        return {}
-                    if not isinstance(data, list if many else dict):
-                        kind = "array" if many else "object"
-                        raise EngineError(f"{where}: the answer is not a JSON {kind}")
-                    return data
-                fault = EngineError(f"{where}: {status}: {response.error_message()}")
-                if not retry:
-                    raise fault
-            if delay is None:
-                raise fault
-            await asyncio.sleep(delay)
-        raise AssertionError("unreachable")
+        return await exchange(pool, method, path, body, timeout=timeout, retry=retry, many=many)
 
     def _spawn(self, coro: Coroutine[Any, Any, Any]) -> asyncio.Task[Any]:
         task = self._loop.create_task(coro)
