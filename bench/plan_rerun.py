@@ -29,12 +29,15 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import datetime
 import json
 import math
+import os
 import statistics
 import subprocess
 import sys
 import time
+import timeit
 from pathlib import Path
 from typing import Any
 
@@ -42,12 +45,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _results import provenance, provenance_lines, write_section, write_summary_row
 from _stats import OtherLoad, load_summary
-from dew.core import LogHistogram
+from dew.core import IterationLog, LogHistogram
 from dew.objectives.rl.config import SchedulerConfig
 from dew.plan._from_run import overrides, rank
 from dew.plan.cli import default_policies
 from dew.plan.fit import fit_run
-from dew.plan.planner import plan
+from dew.plan.planner import plan, simulate
 
 ROOT = Path(__file__).resolve().parent.parent
 DEW = str(Path(sys.executable).with_name("dew"))
@@ -161,6 +164,7 @@ def one_workload(workload: str, seed: int, steps: int, skip: int, folder: Path) 
         },
         "runs": runs,
         "obstacles": obstacles(probe_dir, skip),
+        "split": split(probe_dir, skip),
     }
 
 
@@ -200,12 +204,47 @@ def obstacles(probe: Path, skip: int) -> dict[str, dict[str, float]]:
     return out
 
 
+def split(probe: Path, skip: int) -> dict[str, float]:
+    """The default's step, planned (on the probe's fit) against measured (the probe's
+    records after the skip): the trainer's wait and its time at work, means per step;
+    and what the profile cost: its CPU per step and its size in a record (medians)."""
+    fit = fit_run(probe, skip=skip)
+    sc = fit.scenario()
+    steps = simulate(fit.policy, sc).steps[sc.warmup :]
+    records = [json.loads(x) for x in (probe / "records.jsonl").read_text().splitlines() if x]
+    records = records[skip:]
+    waited = [r["scheduler"]["waited"] for r in records]
+    return {
+        "planned_wait": statistics.fmean(s.waited for s in steps),
+        "planned_busy": statistics.fmean(s.end - s.call - s.waited for s in steps),
+        "measured_wait": statistics.fmean(waited),
+        "measured_busy": statistics.fmean(r["seconds"] for r in records) - statistics.fmean(waited),
+        "profile_cpu_ms": statistics.median(r["profile"]["cpu"] for r in records) * 1e3,
+        "profile_bytes": statistics.median(len(json.dumps(r["profile"])) for r in records),
+    }
+
+
+def counting_costs() -> dict[str, Any]:
+    """What counting costs where it happens: an engine's ``IterationLog.add`` per
+    iteration and a source's ``LogHistogram.add`` per call, microseconds (the best of
+    three timeit repeats of 200,000 calls), with the date and load of the measurement."""
+    log, hist, n = IterationLog(), LogHistogram(), 200_000
+    iteration = min(timeit.repeat(lambda: log.add(37, 0.001), number=n, repeat=3)) / n
+    histogram = min(timeit.repeat(lambda: hist.add(0.05), number=n, repeat=3)) / n
+    return {
+        "iteration_add_us": iteration * 1e6,
+        "histogram_add_us": histogram * 1e6,
+        "date": datetime.date.today().isoformat(),
+        "load": os.getloadavg()[0],
+    }
+
+
 def _err(predicted: float, measured: float) -> float:
     return predicted / measured - 1.0
 
 
 def render(
-    results: list[dict[str, Any]], prov: dict[str, Any]
+    results: list[dict[str, Any]], prov: dict[str, Any], counting: dict[str, Any] | None = None
 ) -> tuple[str, list[tuple[str, str, str, str]]]:
     loads = [r["load"] for res in results for r in res["runs"].values()]
     load_text, quiet = load_summary(loads)
@@ -222,6 +261,13 @@ def render(
         f"- load: {load_text}",
         "",
     ]
+    if counting:
+        lines[-1:-1] = [
+            f"- counting, where it happens: `IterationLog.add` {counting['iteration_add_us']:.2f} "
+            f"us per engine iteration, `LogHistogram.add` {counting['histogram_add_us']:.2f} us "
+            f"per model call (timeit, best of 3 x 200,000 calls; {counting['date']}, 1-minute "
+            f"load average {counting['load']:.1f})",
+        ]
     rows: list[tuple[str, str, str, str]] = []
     per_workload: dict[str, dict[str, list[Any]]] = {}
     for res in results:
@@ -279,6 +325,16 @@ def render(
             f"{max(rate_errs):.0%}.",
             "",
         ]
+        if res.get("split"):
+            sp = res["split"]
+            lines += [
+                f"The default's step, planned against measured: waiting {sp['planned_wait']:.3f} "
+                f"against {sp['measured_wait']:.3f} s, at work {sp['planned_busy']:.3f} against "
+                f"{sp['measured_busy']:.3f} s (means per step). The profile took "
+                f"{sp['profile_cpu_ms']:.2f} ms of the trainer thread's CPU per step and "
+                f"{sp['profile_bytes'] / 1e3:.1f} KB of its record (medians).",
+                "",
+            ]
         if res.get("obstacles"):
             sync = SchedulerConfig.tight(ahead=0).name
             measured_sync = runs[sync]["measured"]["limit_fraction"] if sync in runs else math.nan
@@ -353,10 +409,15 @@ def main() -> int:
     if args.load:
         saved = json.loads((Path(args.load) / "results.json").read_text())
         results, prov = saved["results"], saved["provenance"]
-        for res in results:  # saved before the obstacles were planned: from its probe
+        counting = saved.get("counting")
+        for res in results:  # saved before these were planned: from its probe
             probe = Path(res["runs"][res["default"]]["run"])
             if "obstacles" not in res and (probe / "records.jsonl").exists():
                 res["obstacles"] = obstacles(probe, args.skip)
+            if "split" not in res and (probe / "records.jsonl").exists():
+                res["split"] = split(probe, args.skip)
+        if "counting" not in saved:
+            saved["counting"] = counting = counting_costs()
         (Path(args.load) / "results.json").write_text(json.dumps(saved, indent=1))
     else:
         out = Path(args.out)
@@ -376,10 +437,10 @@ def main() -> int:
                 results.append(one_workload(w, seed, steps, skip, out / f"seed-{seed}"))
                 print(f"{w} seed {seed}: recommended {results[-1]['recommended']}", flush=True)
         prov = provenance("plan_rerun.py", time.monotonic() - t0)
-        (out / "results.json").write_text(
-            json.dumps({"results": results, "provenance": prov}, indent=1)
-        )
-    text, rows = render(results, prov)
+        counting = counting_costs()
+        saved = {"results": results, "provenance": prov, "counting": counting}
+        (out / "results.json").write_text(json.dumps(saved, indent=1))
+    text, rows = render(results, prov, counting)
     print(text)
     if args.write:
         write_section(text)

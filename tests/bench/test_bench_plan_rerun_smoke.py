@@ -25,6 +25,9 @@ def test_plan_rerun_tiny_fits_a_probe_runs_its_grid_and_renders_from_saved(tmp_p
     for name, r in runs.items():
         assert r["measured"]["step_time"] > 0 and r["planned"]["step_time"] > 0, name
     assert set(result["obstacles"]) >= {"as fitted", "separate devices", "none of these"}
+    assert result["split"]["measured_busy"] > 0 and result["split"]["profile_cpu_ms"] > 0
+    assert saved["counting"]["iteration_add_us"] > 0 and saved["counting"]["histogram_add_us"] > 0
+    assert "`IterationLog.add`" in out.stdout and "The default's step, planned" in out.stdout
     assert "### copy (seed 0)" in out.stdout
     again = subprocess.run(
         [sys.executable, str(BENCH / "plan_rerun.py"), "--load", str(tmp_path)],
