@@ -9,6 +9,12 @@ A session that resolves on the driver thread itself (inside the source's ``start
 ``cancel``) is queued without the lock and handled as soon as the actions under way
 have been carried out: with fast sources that is most of them, thousands a call.
 
+A trainer call whose batch is already complete gets it before the rollouts the call
+itself submits (the batches ``ahead``) are started: submitting a batch's rollouts to an
+engine takes time the trainer would otherwise wait through, though its batch is ready.
+The state machine's steps run in the same order either way; only the carrying out of
+the call's actions moves after the hand-over.
+
 A source whose ``start`` or ``result`` raises breaks the driver's work: everything in
 flight is cancelled, the exception is kept as :attr:`Driver.failure`, and the trainer
 call that waits (or, when none waits, the next one) fails with that exception itself.
@@ -22,7 +28,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future
+from concurrent.futures import Future, wait
 from dataclasses import dataclass
 from functools import partial
 from typing import Any
@@ -31,6 +37,8 @@ from dew.core import Rollout, RolloutKey, Session, SessionSource
 from dew.objectives.rl.admission import Admission, Cancel, Consumed, Start
 
 __all__ = ["Driver"]
+
+_POLL = 0.05  # seconds between looks at a driver thread that may have died
 
 
 @dataclass
@@ -79,6 +87,11 @@ class Driver:
         """Post ``reopen`` or ``close`` and wait until the driver handled it."""
         done: Future[None] = Future()
         self.post(kind, done)
+        # A driver that died of an error (it fails the waiting call first, then ends)
+        # never answers: stop waiting once its thread is gone.
+        while not wait([done], timeout=_POLL).done:
+            if not self._thread.is_alive() and not done.done():
+                return
         done.result()
 
     def call(self, batch: Any, updates: int) -> Future[tuple[Consumed, dict[str, Any]]]:
@@ -235,9 +248,19 @@ class Driver:
             )
             return
         self._waiting = reply
-        self._guard(lambda: adm.call(reply.updates, time.monotonic()))
+        try:
+            held = adm.call(reply.updates, time.monotonic())
+        except Exception as exc:
+            self._break(exc)
+            return
+        # With rollouts ahead of the trainer its batch is often complete already: hand it
+        # over before starting the call's new rollouts, which it need not wait for.
+        self._try_consume(held)
 
-    def _try_consume(self) -> None:
+    def _try_consume(self, held: Sequence[Start | Cancel] = ()) -> None:
+        """Hand the waiting call its batch once it is complete. ``held``: actions the
+        state machine gave just before (the call's), carried out after the hand-over
+        and before the consume's own, in the order it gave them."""
         reply = self._waiting
         if reply is None:
             return
@@ -247,17 +270,13 @@ class Driver:
             reply.future.set_exception(self._failure)
             return
         adm = self._admission
-        result: list[Consumed | None] = [None]
-
-        def consume() -> list[Start | Cancel]:
-            result[0], actions = adm.consume(reply.updates, time.monotonic())
-            return actions
-
-        self._guard(consume)
-        if self._failure is not None:
+        try:
+            consumed, actions = adm.consume(reply.updates, time.monotonic())
+        except Exception as exc:
+            self._break(exc)
             self._try_consume()
             return
-        if result[0] is not None:
+        if consumed is not None:
             counts = {
                 "resubmitted": dict(adm.resubmitted),
                 "cancelled": adm.cancelled,
@@ -268,7 +287,10 @@ class Driver:
             self._late_cancelled = []
             adm.reset_counts()
             self._waiting = None
-            reply.future.set_result((result[0], counts))
+            reply.future.set_result((consumed, counts))
+        self._guard(lambda: [*held, *actions] if held else actions)
+        if self._failure is not None:
+            self._try_consume()  # a start that raised fails the call still waiting
 
     def _guard(self, step: Callable[[], Sequence[Start | Cancel]]) -> None:
         """Run a state-machine step and its actions; a raising source stops everything."""
