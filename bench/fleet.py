@@ -47,6 +47,7 @@ import datetime
 import importlib.util
 import os
 import queue
+import secrets
 import shutil
 import signal
 import statistics
@@ -305,6 +306,7 @@ class DemoRun:
     steps: int
     tokens: int
     reward: float  # mean reward of the last 10 steps
+    pushes: list[float]  # seconds of each fleet.load (a fleet's runs only)
 
     @property
     def steps_per_s(self) -> float:
@@ -322,11 +324,15 @@ def demo_run(
     seed: int,
     router: str | None = None,
     batch: bool = False,
+    ray: bool = False,
+    one_thread: bool = False,
 ) -> DemoRun:
     """Train the single-turn demo task for ``steps`` with ``engines`` (0: in-process;
     -1: one ``dew serve`` behind a plain HTTPEngine; n: an EngineFleet of n, behind an
     sglang-router with policy ``router`` if given; ``batch``: its engines send one
-    request per group, ``HTTPEngine(batch_groups=True)``)."""
+    request per group, ``HTTPEngine(batch_groups=True)``; ``ray``: placed by Ray on a
+    local instance of its own, ``EngineFleet.on_ray``; ``one_thread``: its engine
+    processes run torch on one thread, as Ray's actors of one CPU do)."""
     from dew.demo.run import DemoConfig, build_job
     from dew.train import read_records
 
@@ -335,7 +341,14 @@ def demo_run(
     serve_args = ["--max-batch", str(in_flight)]
     with tempfile.TemporaryDirectory() as run_dir, ExitStack() as stack:
         engine: Any = None  # in-process: the demo's own RolloutServer
-        if engines < 0:
+        pushes: list[float] = []
+        if engines > 0 and ray:
+            fleet = _fleet_class().on_ray(
+                engines, demo=config.size, seed=seed, args=serve_args, address="local",
+                startup_timeout=300.0,
+            )  # fmt: skip
+            engine = stack.enter_context(fleet)  # close() ends its actors and Ray
+        elif engines < 0:
             served = stack.enter_context(
                 serving("--demo", config.size, "--seed", str(seed), *serve_args)
             )
@@ -349,8 +362,11 @@ def demo_run(
                 startup_timeout=300.0,
                 router=router,
                 engine_options={"batch_groups": True} if batch else None,
+                env={"OMP_NUM_THREADS": "1"} if one_thread else None,
             )
             engine = stack.enter_context(fleet)  # close() stops its processes
+        if engines > 0:
+            engine.load = _timed(engine.load, pushes)
         job = build_job(config, stack, engine=engine)
         t0 = time.perf_counter()
         result = job.fit(
@@ -367,7 +383,7 @@ def demo_run(
     ]
     tokens = sum(int(r.get("trained_tokens", 0)) for r in records)
     last = rewards[-10:] or [float("nan")]
-    run = DemoRun(label, seconds, steps, tokens, sum(last) / len(last))
+    run = DemoRun(label, seconds, steps, tokens, sum(last) / len(last), pushes)
     print(
         f"  {label}: {steps} steps in {seconds:.1f} s, {run.steps_per_s:.2f} steps/s, "
         f"{run.tokens_per_s:,.0f} tokens/s, reward (last 10) {run.reward:.3f}",
@@ -375,6 +391,25 @@ def demo_run(
         flush=True,
     )
     return run
+
+
+def _timed(load: Callable[..., Any], into: list[float]) -> Callable[..., Any]:
+    """``load`` that also appends each call's seconds to ``into``."""
+
+    def timed(*args: Any, **kw: Any) -> Any:
+        t0 = time.perf_counter()
+        out = load(*args, **kw)
+        into.append(time.perf_counter() - t0)
+        return out
+
+    return timed
+
+
+def push_ms(runs: list[DemoRun]) -> float | None:
+    """The median of every push of ``runs`` (the first of each run, before any engine
+    served, left out), in ms; None without pushes."""
+    every = [p for r in runs for p in r.pushes[1:]]
+    return statistics.median(every) * 1e3 if every else None
 
 
 def demo_table(variants: list[str], runs: dict[str, list[DemoRun]]) -> tuple[str, dict[str, float]]:
@@ -388,8 +423,9 @@ def demo_table(variants: list[str], runs: dict[str, list[DemoRun]]) -> tuple[str
     }
     rows = [
         "| engine | steps/s (median, min-max) | trained tokens/s (median) "
-        "| steps/s vs in-process | tokens/s vs in-process | reward, last 10 steps (median) |",
-        "|---|---:|---:|---:|---:|---:|",
+        "| steps/s vs in-process | tokens/s vs in-process | reward, last 10 steps (median) "
+        "| push ms (median) |",
+        "|---|---:|---:|---:|---:|---:|---:|",
     ]
     ratios = {}
     for v in variants:
@@ -397,14 +433,33 @@ def demo_table(variants: list[str], runs: dict[str, list[DemoRun]]) -> tuple[str
         ratio = med[v][0] / med[base][0]
         ratios[v] = ratio
         reward = statistics.median(r.reward for r in runs[v])
+        pushed = push_ms(runs[v])
         rows.append(
             f"| {v} | {med[v][0]:.2f} ({min(rates):.2f}-{max(rates):.2f}) | {med[v][1]:,.0f} "
-            f"| {ratio:.2f}x | {med[v][1] / med[base][1]:.2f}x | {reward:.3f} |"
+            f"| {ratio:.2f}x | {med[v][1] / med[base][1]:.2f}x | {reward:.3f} "
+            f"| {'-' if pushed is None else f'{pushed:.1f}'} |"
         )
     return "\n".join(rows), ratios
 
 
 # ------------------------------------------------------------------ main
+
+LOCAL_2 = "EngineFleet of 2, one torch thread per engine"
+RAY_2 = "EngineFleet of 2 placed by Ray"
+
+
+def ray_line(runs: dict[str, list[DemoRun]], ratios: dict[str, float]) -> str:
+    """The Ray-placed fleet against the launched one of the same size: steps/s and push
+    latency as ratios (empty when either is missing)."""
+    if not (runs.get(LOCAL_2) and runs.get(RAY_2)):
+        return ""
+    local, placed = push_ms(runs[LOCAL_2]), push_ms(runs[RAY_2])
+    pushes = "" if not (local and placed) else f", push latency {placed / local:.2f}x"
+    return (
+        f"\n\nPlaced by Ray against launched here (fleets of 2, one torch thread per engine "
+        f"both, same run): steps/s "
+        f"{ratios[RAY_2] / ratios[LOCAL_2]:.2f}x{pushes}."
+    )
 
 
 def main() -> None:
@@ -423,6 +478,10 @@ def main() -> None:
         ap.error("--write replaces the whole section: leave out --only and --no-push")
     if args.tiny:
         args.sizes, args.pushes, args.steps, args.repeats, args.write = "~0.1M", 2, 3, 1, False
+    # A local Ray instance's own token, never one written to ~/.ray for later runs.
+    os.environ.setdefault("RAY_AUTH_MODE", "token")
+    os.environ.setdefault("RAY_AUTH_TOKEN", secrets.token_hex(32))
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     if "OMP_NUM_THREADS" not in os.environ:  # as dew demo does: half the cores
         torch.set_num_threads(max(1, (os.cpu_count() or 2) // 2))
     load_before = os.getloadavg()[0]
@@ -436,25 +495,30 @@ def main() -> None:
 
     print("demo workload", file=sys.stderr)
     fleet = _fleet_class()
-    plan: list[tuple[str, int, str | None, bool]] = [("in-process RolloutServer", 0, None, False)]
+    plan: list[tuple[str, int, str | None, bool, bool]] = [
+        ("in-process RolloutServer", 0, None, False, False)
+    ]
     if fleet:
         plan += [
-            ("EngineFleet of 1", 1, None, False),
-            ("EngineFleet of 1, one request per group", 1, None, True),
-            ("EngineFleet of 2", 2, None, False),
+            ("EngineFleet of 1", 1, None, False, False),
+            ("EngineFleet of 1, one request per group", 1, None, True, False),
+            ("EngineFleet of 2", 2, None, False, False),
         ]
         if importlib.util.find_spec("sglang_router") is not None:
-            plan.append(("EngineFleet of 2 behind sglang-router", 2, "cache_aware", False))
+            plan.append(("EngineFleet of 2 behind sglang-router", 2, "cache_aware", False, False))
+        if importlib.util.find_spec("ray") is not None:
+            plan += [(LOCAL_2, 2, None, False, False), (RAY_2, 2, None, False, True)]
     else:
-        plan.append(("HTTPEngine", -1, None, False))
+        plan.append(("HTTPEngine", -1, None, False, False))
     if args.only:
         plan = [p for p in plan if p[0] in args.only.split(";")]
     runs: dict[str, list[DemoRun]] = {label: [] for label, *_ in plan}
     failed: dict[str, list[str]] = {label: [] for label, *_ in plan}
     for _ in range(args.repeats):
-        for label, engines, router, batch in plan:
+        for label, engines, router, batch, ray in plan:
             try:
-                run = demo_run(label, engines, args.steps, args.seed, router, batch)
+                one = label == LOCAL_2  # Ray runs an actor of one CPU on one torch thread
+                run = demo_run(label, engines, args.steps, args.seed, router, batch, ray, one)
                 runs[label].append(run)
             except Exception as exc:  # a failed run is reported, not hidden
                 if engines == 0 or args.tiny:
@@ -469,6 +533,7 @@ def main() -> None:
         if msgs
     )
     demo, ratios = demo_table(variants, runs)
+    demo += ray_line(runs, ratios)
     print()
     print(demo + failures)
     wall = time.perf_counter() - t_start
@@ -507,7 +572,11 @@ def main() -> None:
         f"steps per run, {args.repeats} runs per engine alternating, fleets started fresh "
         f"per run (start-up not timed), `--max-batch` as the in-process engine, same seed. "
         f"Rates over `fit`'s wall time; tokens: completion tokens trained. Ratios: "
-        f"medians over the in-process median.{missing}\n\n"
+        f"medians over the in-process median. Push ms: the fleet's `load` (every push "
+        f"after each run's first). Placed by Ray: `EngineFleet.on_ray` on a local Ray "
+        f"instance started for the run (not timed), one actor per engine; Ray gives an "
+        f"actor of one CPU one thread (`OMP_NUM_THREADS=1`), which its server inherits, so "
+        f"it is compared with the launched fleet run the same way.{missing}\n\n"
         f"{demo}{failures}\n"
     )
     biggest = pushes[-1]

@@ -51,7 +51,7 @@ RULES: dict[str, tuple[str, ...]] = {
     # forward share; a floor-1 utility that imports nothing of dew either.
     # dew._watchdog ends a launched server whose trainer died; dew._runlock holds a
     # folder for one process: floor-1 utilities that import nothing of dew either.
-    "dew.serving": ("dew.core", "dew._attention", "dew._watchdog", "dew._runlock"),
+    "dew.serving": ("dew.core", "dew._attention", "dew._watchdog", "dew._runlock", "dew._net"),
     "dew._watchdog": (),
     "dew._runlock": (),
     "dew._attention": (),
@@ -477,3 +477,14 @@ def test_the_private_check_allows_the_layer_itself_and_top_level_utilities() -> 
         ("dew.job.run", False, "from dew.pool import __version__\n"),
     ]
     assert private_violations(ok) == []
+
+
+def test_only_the_ray_fleet_module_imports_ray() -> None:
+    """Ray is an extra: one module of the fleet imports it, and only when a Ray fleet is
+    made; every other module of dew works without it."""
+    importers = sorted(
+        module
+        for module, is_package, source in tree()
+        if any(within(name, "ray") for name in imports(source, module, is_package))
+    )
+    assert importers == ["dew.serving.fleet._ray"], importers

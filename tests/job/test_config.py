@@ -120,6 +120,20 @@ def test_a_vllm_engine_section_keeps_its_fields(tmp_path: Path) -> None:
         load_config(write(tmp_path), ["--engine.router", "cache_aware"])
 
 
+def test_a_ray_engine_section_keeps_its_fields_and_refuses_strays(tmp_path: Path) -> None:
+    ray = ["--engine.kind", "ray", "--engine.engines", "3", "--engine.address", "10.0.0.1:6379"]
+    ray += ["--engine.resources", "{ GPU = 1, big_memory = 0.5 }"]
+    engine = load_config(write(tmp_path), ray).engine
+    assert (engine.kind, engine.engines, engine.address) == ("ray", 3, "10.0.0.1:6379")
+    assert engine.resources == {"GPU": 1.0, "big_memory": 0.5}
+    with pytest.raises(ConfigError, match=r'engine.*address and resources .*kind = "ray"'):
+        load_config(write(tmp_path), ["--engine.address", "10.0.0.1:6379"])
+    with pytest.raises(ConfigError, match=r"engine.*resources: every amount must be"):
+        load_config(write(tmp_path), [*ray[:2], "--engine.resources", "{ GPU = -1 }"])
+    with pytest.raises(ConfigError, match="devices: Ray places the engines"):
+        load_config(write(tmp_path), [*ray[:4], "--engine.devices", '["cpu", "cpu", "cpu"]'])
+
+
 def test_the_api_key_comes_from_a_file_or_the_environment_and_is_never_saved(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import field_validator, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from dew._devices import DEVICE_PATTERN, device_problem
 from dew._net import API_KEY_ENV
@@ -22,8 +22,8 @@ __all__ = ["EngineSection", "check_devices", "make_engine"]
 
 
 class EngineSection(Section):
-    kind: Literal["in-process", "fleet", "urls", "vllm"] = "in-process"  # where rollouts run
-    engines: int = 2  # kind = "fleet" or "vllm": local engine processes
+    kind: Literal["in-process", "fleet", "urls", "vllm", "ray"] = "in-process"  # where rollouts run
+    engines: int = 2  # kind = "fleet", "vllm" or "ray": engine processes to start
     urls: tuple[str, ...] = ()  # kind = "urls": dew serve servers; "vllm": vLLM servers
     # kind = "vllm" only: the vLLM environment's interpreter for launched servers (none:
     # $DEW_VLLM_PYTHON), more vLLM server flags, and what a weight push does to the
@@ -51,6 +51,13 @@ class EngineSection(Section):
     # kind = "fleet" or "urls": each group's requests in one /generate (SGLang's batch
     # form): faster for short generations, but a group's answers come when its last does.
     batch_groups: bool = False
+    # kind = "ray" (dew serve engines placed by Ray): the cluster to join (none:
+    # $RAY_ADDRESS, else one started on this machine, else a new local one; "local": a
+    # new one on this machine, stopped with the run).
+    address: str | None = None
+    # kind = "ray": what each engine asks of its node, CPU and GPU counts and custom
+    # resources (none: one CPU); weights_dir must then be a folder every node reads.
+    resources: dict[str, float] = Field(default_factory=dict)
 
     @field_validator("engines")
     @classmethod
@@ -70,10 +77,10 @@ class EngineSection(Section):
         if self.kind == "vllm" and self.urls and (self.python or self.args):
             raise ValueError("python and args launch vLLM servers; with urls none is launched")
         self._check_devices()
-        if self.batch_groups and (self.kind not in ("fleet", "urls") or self.router):
+        if self.batch_groups and (self.kind not in ("fleet", "urls", "ray") or self.router):
             raise ValueError(
-                'batch_groups is for dew serve engines, not behind a router: kind = "fleet" '
-                'or "urls"'
+                'batch_groups is for dew serve engines, not behind a router: kind = "fleet", '
+                '"urls" or "ray"'
             )
         if self.takeover and not self.urls:
             raise ValueError("takeover is for servers at urls")
@@ -85,6 +92,10 @@ class EngineSection(Section):
             if not self.urls:
                 raise ValueError("api_key_file is for servers at urls (launched ones need none)")
             self.api_key()  # a missing or empty file, said before anything runs
+        if (self.address is not None or self.resources) and self.kind != "ray":
+            raise ValueError('address and resources place engines with Ray: kind = "ray"')
+        if any(not (v >= 0) for v in self.resources.values()):
+            raise ValueError("resources: every amount must be a number >= 0")
         if self.kind == "vllm" and not self.urls:
             from dew.serving.vllm import vllm_python
 
@@ -99,6 +110,8 @@ class EngineSection(Section):
             raise ValueError(f"devices: {bad[0]!r} is not a device name (cpu, cuda, cuda:N)")
         if self.urls:
             raise ValueError("devices place launched engines; servers at urls place themselves")
+        if self.kind == "ray":
+            raise ValueError("devices: Ray places the engines (resources = { GPU = 1 } each)")
         want = 1 if self.kind == "in-process" else self.engines
         if len(self.devices) != want:
             raise ValueError(
@@ -248,10 +261,30 @@ def _vllm(e: EngineSection, at: _At) -> Any:
     )
 
 
+def _ray(e: EngineSection, at: _At) -> Any:
+    """dew serve engines placed by Ray, one actor each (EngineFleet.on_ray)."""
+    from dew.serving.fleet import EngineFleet
+
+    custom = {k: v for k, v in e.resources.items() if k not in ("CPU", "GPU")}
+    return EngineFleet.on_ray(
+        e.engines,
+        model=at.model_path,
+        seed=at.seed,
+        args=["--max-batch", str(at.max_batch)],
+        num_cpus=e.resources.get("CPU", 1.0),
+        num_gpus=e.resources.get("GPU", 0.0),
+        resources=custom or None,
+        address=e.address,
+        weights_dir=e.weights_dir,
+        engine_options={"batch_groups": e.batch_groups},
+    )
+
+
 # engine.kind -> how that kind is built
 _KINDS: dict[str, Callable[[EngineSection, _At], Any]] = {
     "in-process": _in_process,
     "fleet": _fleet,
     "urls": _urls,
     "vllm": _vllm,
+    "ray": _ray,
 }

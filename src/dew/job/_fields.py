@@ -46,7 +46,8 @@ def fields_text() -> str:
         comments = _comments(section)
         for field, spec in section.model_fields.items():
             kind = _kind(spec.annotation)
-            default = "(required)" if spec.is_required() else f"= {_show(spec.default)}"
+            value = spec.default_factory() if spec.default_factory else spec.default  # type: ignore[call-arg]
+            default = "(required)" if spec.is_required() else f"= {_show(value)}"
             help_ = comments.get(field) or _from_docs(field, docs.get(name.strip("[]"), []))
             out.append(f"  {field}: {kind} {default}" + (f"  # {help_}" if help_ else ""))
         out.append("")

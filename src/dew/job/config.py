@@ -11,8 +11,9 @@ A config has these sections (each a table; ``[[rewards]]`` an array of tables)::
                  GRPOObjective
     [training]   steps, tasks, lr, warmup_steps, schedule, max_grad_norm,
                  micro_batches, seed, ...
-    [engine]     kind ("in-process", "fleet", "urls", "vllm"), engines, urls,
-                 weights_dir, and for vLLM: python, args, on_load
+    [engine]     kind ("in-process", "fleet", "urls", "vllm", "ray"), engines, urls,
+                 weights_dir, for vLLM: python, args, on_load, for Ray: address,
+                 resources
     [output]     run_dir, checkpoint_every, keep, export_every, tensorboard, wandb, ...
 
 The sampling, scheduler and objective sections are built from the library's own

@@ -165,7 +165,7 @@ class Care:
             member.state, member.gen = RESTARTING, member.gen + 1
             old, gen = member.engine, member.gen
         old.close()
-        local.stop(0.0)
+        local.reset()
         try:
             url = local.start(self._startup, self._stopping)
             engine = self._make(url, **self._engine_kw)
@@ -174,7 +174,7 @@ class Care:
                 member.state, member.reason = OUT, f"restart failed: {exc}"
                 member.backoff = min(BACKOFF_MAX, member.backoff * 2)
                 member.retry_at = time.monotonic() + member.backoff
-            local.stop(0.0)
+            local.reset()
             return
         with self._lock:
             if self._closed:

@@ -7,7 +7,7 @@ import logging
 import threading
 import time
 from collections import OrderedDict, deque
-from collections.abc import Hashable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_futures
 from pathlib import Path
@@ -18,6 +18,7 @@ from dew.serving._folders import private_folder, release_folder
 from dew.serving._http_base import FLEET_CONNECT_TIMEOUT, REQUEST_TIMEOUT, LoopEngine
 from dew.serving._requests import make_request
 from dew.serving.fleet._care import Care
+from dew.serving.fleet._launch import STARTUP_TIMEOUT, Launch
 from dew.serving.fleet._parts import (
     BACKOFF_MAX,
     CLOSED,
@@ -29,7 +30,6 @@ from dew.serving.fleet._parts import (
     Member,
     MemberInfo,
     Process,
-    local_processes,
     member_class,
     settle,
 )
@@ -39,13 +39,8 @@ from dew.serving.http_engine import HTTPEngine
 
 log = logging.getLogger("dew.serving.fleet")
 
-# Seconds a local engine process (or the router) gets to start and listen, at launch and
-# at each restart: it loads a model first, so far more than an engine's STARTUP_TIMEOUT,
-# which waits for a server already started.
-_STARTUP_TIMEOUT = 120.0
 
-
-class EngineFleet(Care, Publish, Engine):
+class EngineFleet(Care, Publish, Launch, Engine):
     """Many ``dew serve`` engines as one :class:`~dew.core.Engine` and Publisher.
 
     ``engines``: engines of servers (:class:`HTTPEngine` s, :class:`VLLMEngine` s) or
@@ -77,7 +72,7 @@ class EngineFleet(Care, Publish, Engine):
         timeout: float = REQUEST_TIMEOUT,
         connect_timeout: float = FLEET_CONNECT_TIMEOUT,
         affinity_size: int = 4096,
-        startup_timeout: float = _STARTUP_TIMEOUT,
+        startup_timeout: float = STARTUP_TIMEOUT,
         router: str | None = None,
         engine: str = "dew",
         engine_options: Mapping[str, Any] | None = None,
@@ -137,6 +132,7 @@ class EngineFleet(Care, Publish, Engine):
                 e.close()
             raise
         self._router_process = _router_process
+        self._disconnect: Callable[[], None] | None = None  # a Ray fleet's connection
         self._members = members
         self._version = max(m.engine.version for m in members)
         # Until the first publish the members serve another run's weights (or their
@@ -175,85 +171,6 @@ class EngineFleet(Care, Publish, Engine):
         for t in self._threads:
             t.start()
 
-    @classmethod
-    def launch(
-        cls,
-        count: int,
-        *,
-        demo: str | None = None,
-        model: str | Path | None = None,
-        seed: int = 0,
-        args: Sequence[str] = (),
-        env: Mapping[str, str] | None = None,
-        startup_timeout: float = _STARTUP_TIMEOUT,
-        router: str | None = None,
-        engine: str = "dew",
-        python: str | Path | None = None,
-        devices: Sequence[str] | None = None,
-        **kwargs: Any,
-    ) -> EngineFleet:
-        """Start ``count`` local engine processes on 127.0.0.1 and return a fleet that
-        owns them, with a supervisor restarting any that dies. ``env`` is added to this
-        process's environment for them (e.g. ``OMP_NUM_THREADS``); ``kwargs`` go to the
-        constructor.
-
-        ``engine="dew"``: ``dew serve`` processes (``--demo SIZE`` or ``--model PATH``,
-        ``--seed seed`` for all, so the demo weights agree, plus ``args``). ``router``:
-        also start an sglang-router with this policy (``cache_aware``, ``round_robin``,
-        ...) in front of them, owned by the fleet too; a worker then restarts on its
-        port, so the router's list keeps its URL.
-
-        ``engine="vllm"``: vLLM servers of the model folder ``model``, run by the vLLM
-        environment's interpreter ``python`` (default ``$DEW_VLLM_PYTHON``), with
-        ``--seed seed`` and ``args`` (``--dtype``, ``--max-model-len``, ...) after the
-        flags dew needs; their weight pushes may read only the fleet's weights folder.
-
-        ``devices``: one torch device per engine (``cuda:1``, ``cuda:2``, ...): a ``dew
-        serve`` gets ``--device``, a vLLM server sees only that GPU
-        (``CUDA_VISIBLE_DEVICES``). A restarted engine comes back on its own device.
-        """
-        count = as_int(count, "count")
-        if count < 1 or (demo is None) == (model is None):
-            raise ValueError("launch needs count >= 1 and exactly one of demo= or model=")
-        if engine not in ENGINES:
-            raise ValueError(f"engine={engine!r} is not one of {sorted(ENGINES)}")
-        if kwargs.get("weights_dir") is None:  # the servers are told it: made first
-            kwargs.update(weights_dir=private_folder("fleet-"), _own_dir=True)
-        locals_ = local_processes(
-            engine, count, demo=demo, model=model, seed=seed, args=args, env=env,
-            python=python, router=router, weights_dir=kwargs.get("weights_dir"),
-            devices=devices,
-        )  # fmt: skip
-        never = threading.Event()
-        urls: list[Future[str]] = []
-        with ThreadPoolExecutor(max_workers=count) as pool:
-            urls = [pool.submit(p.start, startup_timeout, never) for p in locals_]
-        front = None
-        try:
-            started = [u.result() for u in urls]
-            if router is not None:
-                for p, url in zip(locals_, started, strict=True):
-                    p.argv[-1] = url.rsplit(":", 1)[1]  # "--port", "0" -> its own port
-                front = RouterProcess(started, policy=router)
-                front.start(startup_timeout)
-            return cls(
-                started,
-                startup_timeout=startup_timeout,
-                router=None if front is None else front.url,
-                engine=engine,
-                _locals=locals_,
-                _router_process=front,
-                **kwargs,
-            )
-        except BaseException:
-            if front is not None:
-                front.stop(5.0)
-            for p in locals_:
-                p.stop(5.0)
-            if kwargs.get("_own_dir"):
-                release_folder(Path(kwargs["weights_dir"]))
-            raise
-
     # ------------------------------------------------------------------ properties
 
     @property
@@ -289,11 +206,13 @@ class EngineFleet(Care, Publish, Engine):
                     version=m.confirmed,
                     in_flight=len(m.calls),
                     dispatched=m.dispatched,
-                    pid=None if m.local is None or m.local.proc is None else m.local.proc.pid,
+                    pid=_pid(m.local),
                     restarts=m.restarts,
                     reason=m.reason,
                     suspect=m.suspect,
                     held_by=m.engine.held_by,
+                    node=getattr(m.local, "node", None),
+                    actor=getattr(m.local, "name", None),
                 )
                 for m in self._members
             ]
@@ -562,6 +481,8 @@ class EngineFleet(Care, Publish, Engine):
         self._pool.shutdown(wait=True)
         if self._own_dir:
             release_folder(self._dir)
+        if self._disconnect is not None:
+            self._disconnect()
 
     def __enter__(self) -> EngineFleet:
         return self
@@ -572,3 +493,11 @@ class EngineFleet(Care, Publish, Engine):
     def __repr__(self) -> str:
         up = sum(m.state == UP for m in self._members)
         return f"EngineFleet({up}/{len(self._members)} in rotation, version={self._version})"
+
+
+def _pid(local: Process | None) -> int | None:
+    if local is None:
+        return None
+    if local.proc is not None:
+        return local.proc.pid
+    return getattr(local, "server_pid", None)  # a server under a Ray actor

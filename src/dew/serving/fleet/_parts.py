@@ -52,9 +52,11 @@ def local_processes(
     router: str | None,
     weights_dir: str | os.PathLike[str],
     devices: Sequence[str] | None = None,
+    host: str = "127.0.0.1",
 ) -> list[Process]:
     """The ``count`` local servers :meth:`EngineFleet.launch` starts (its docstring),
-    whose weight pushes read only ``weights_dir``, each on its own of ``devices``."""
+    whose weight pushes read only ``weights_dir``, each on its own of ``devices``,
+    listening on ``host``."""
     if devices is not None and (
         isinstance(devices, str)
         or len(devices) != count
@@ -71,13 +73,18 @@ def local_processes(
         vllm_args = [*args, "--seed", str(seed)]
         return [
             VLLMProcess(
-                interpreter, model, weights_dir=weights_dir, args=vllm_args, env=_gpu(env, d)
+                interpreter,
+                model,
+                weights_dir=weights_dir,
+                args=vllm_args,
+                env=_gpu(env, d),
+                host=host,
             )
             for d in places
         ]
     what = ["--demo", str(demo)] if demo is not None else ["--model", str(model)]
     argv = [sys.executable, "-m", "dew.serve", *what, "--seed", str(seed)]
-    argv += ["--weights-dir", str(weights_dir), *args, "--host", "127.0.0.1", "--port", "0"]
+    argv += ["--weights-dir", str(weights_dir), *args, "--host", host, "--port", "0"]
     environ = None if env is None else {**os.environ, **env}
     return [Local([*argv, *(["--device", d] if d else [])], environ) for d in places]
 
@@ -92,8 +99,9 @@ def _gpu(env: Mapping[str, str] | None, device: str | None) -> Mapping[str, str]
 
 
 class Process(Protocol):
-    """A local server process the fleet supervises: ``dew serve`` (:class:`Local`) or
-    vLLM (:class:`dew.serving.vllm.VLLMProcess`)."""
+    """A server process the fleet supervises: ``dew serve`` (:class:`Local`), vLLM
+    (:class:`dew.serving.vllm.VLLMProcess`), or either under a Ray actor
+    (:class:`dew.serving.fleet._ray.RayProcess`)."""
 
     proc: subprocess.Popen[bytes] | None
 
@@ -102,6 +110,10 @@ class Process(Protocol):
     def start(self, deadline: float, stopping: threading.Event) -> str: ...
 
     def stop(self, grace: float) -> None: ...
+
+    def reset(self) -> None:
+        """Clear what a process that died left behind, before ``start`` runs it again
+        (a local one: stop it; one under a Ray actor: its server only, the actor stays)."""
 
     def tail(self) -> str: ...
 
@@ -113,7 +125,8 @@ class MemberInfo:
     (-1: none yet); ``reason`` why it is out; ``suspect``: a call just failed there and
     a health check is deciding whether it is out (no new call goes there meanwhile,
     while another member is up); ``held_by`` the trainer run its server says holds it
-    (None: none, or the server does not say)."""
+    (None: none, or the server does not say); ``pid`` the server's pid (on ``node``,
+    for a fleet placed by Ray)."""
 
     url: str
     state: str
@@ -125,6 +138,8 @@ class MemberInfo:
     reason: str
     suspect: bool
     held_by: str | None = None
+    node: str | None = None  # the Ray node its server runs on (None: this machine's)
+    actor: str | None = None  # its Ray actor's name, in the namespace "dew"
 
 
 class Local:
@@ -176,6 +191,9 @@ class Local:
             return ""
         self.stderr.seek(0)
         return self.stderr.read()[-2000:].decode(errors="replace")
+
+    def reset(self) -> None:
+        self.stop(0.0)
 
     def stop(self, grace: float) -> None:
         """SIGTERM (and SIGCONT, so a stopped process can take it), SIGKILL after

@@ -60,8 +60,9 @@ class VLLMProcess:
     """A vLLM server serving ``model`` (a Hugging Face folder) from the environment of
     ``python``; ``args`` are more server flags (``--dtype``, ``--max-model-len``, ...),
     ``env`` more environment variables, ``weights_dir`` the only folder its weight
-    pushes may read. Same surface as the fleet's local ``dew serve`` processes:
-    :meth:`start`, :meth:`alive`, :meth:`stop`, :meth:`tail`, ``proc``."""
+    pushes may read, ``host`` the address it listens on. Same surface as the fleet's
+    local ``dew serve`` processes: :meth:`start`, :meth:`alive`, :meth:`stop`,
+    :meth:`reset`, :meth:`tail`, ``proc``."""
 
     def __init__(
         self,
@@ -71,8 +72,10 @@ class VLLMProcess:
         weights_dir: str | os.PathLike[str],
         args: Sequence[str] = (),
         env: Mapping[str, str] | None = None,
+        host: str = "127.0.0.1",
     ) -> None:
         self.python = Path(python)
+        self.host = host
         self.model = str(Path(model).resolve())
         self.args = [str(a) for a in args]
         self.env = dict(env or {})
@@ -87,11 +90,11 @@ class VLLMProcess:
 
     def start(self, deadline: float, stopping: threading.Event) -> str:
         """Start the server; its URL once ``/health`` answers within ``deadline`` s."""
-        port = free_port("127.0.0.1")
+        port = free_port(self.host)
         self._path_dir = tempfile.mkdtemp(prefix="dew-vllm-path-")
         os.symlink(Path(__file__).resolve().parents[2], Path(self._path_dir) / "dew")
         argv = [str(self.python), "-m", "vllm.entrypoints.openai.api_server"]
-        argv += ["--model", self.model, "--host", "127.0.0.1", "--port", str(port)]
+        argv += ["--model", self.model, "--host", self.host, "--port", str(port)]
         argv += [*server_args(), *self.args]
         environ = {**os.environ, **self.env}
         environ["VLLM_SERVER_DEV_MODE"] = "1"
@@ -108,7 +111,7 @@ class VLLMProcess:
         )
         unwatch(self.dog)
         self.dog = watch(self.proc.pid, group=True)  # vLLM's engine processes too
-        url = f"http://127.0.0.1:{port}"
+        url = f"http://{self.host}:{port}"
         end = time.monotonic() + deadline
         while not _healthy(url):
             if self.proc.poll() is not None:
@@ -127,6 +130,9 @@ class VLLMProcess:
             return ""
         self.log.seek(0)
         return self.log.read()[-2000:].decode(errors="replace")
+
+    def reset(self) -> None:
+        self.stop(0.0)
 
     def stop(self, grace: float) -> None:
         """SIGTERM (and SIGCONT, so a stopped process can take it) to the server's
