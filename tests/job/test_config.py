@@ -134,6 +134,14 @@ def test_a_ray_engine_section_keeps_its_fields_and_refuses_strays(tmp_path: Path
         load_config(write(tmp_path), [*ray[:4], "--engine.devices", '["cpu", "cpu", "cpu"]'])
 
 
+def test_a_ray_engine_without_ray_installed_is_one_line_naming_the_extra(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setitem(sys.modules, "ray", None)  # how Python blocks an import
+    with pytest.raises(ConfigError, match=r"engine.*needs Ray: pip install 'dew\[ray\]'"):
+        load_config(write(tmp_path), ["--engine.kind", "ray"])
+
+
 def test_the_api_key_comes_from_a_file_or_the_environment_and_is_never_saved(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

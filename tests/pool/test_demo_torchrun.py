@@ -59,6 +59,7 @@ def check(out: Path, n: int, steps: int, tensor: int = 1) -> None:
     assert all(f"__{r}_0.distcp" in manifest["files"] for r in range(n))
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_demo_under_torchrun_two_processes(tmp_path: Path) -> None:
     run_demo(2, tmp_path, 3, 240, "--run-dir", str(tmp_path / "run"))

@@ -392,3 +392,18 @@ def test_chaos_twenty_engine_kills_abandon_no_group(tmp_path: Path) -> None:
     assert abandoned == [], (note, abandoned)
     infra = sum(r["scheduler"]["resubmitted"].get("infra_error", 0) for r in records)
     assert infra > 0, note
+
+
+def test_a_ray_fleet_at_an_address_where_nothing_listens_is_one_line_and_leaves_nothing() -> None:
+    import socket
+
+    from dew.serving._folders import weights_root
+
+    with socket.socket() as s:  # a port of this machine that nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    before = set(weights_root().iterdir())
+    address = f"127.0.0.1:{port}"
+    with pytest.raises(EngineError, match=rf"Ray cluster at {address}: nothing answers there"):
+        EngineFleet.on_ray(1, demo="tiny", address=address)
+    assert set(weights_root().iterdir()) <= before  # no weights folder left behind

@@ -206,3 +206,28 @@ def test_each_placement_option_takes_effect(monkeypatch: pytest.MonkeyPatch) -> 
             assert members[0].actor not in (None, first)  # a new actor, made by the fleet
             call = fleet.submit([7, 8, 9], SamplingParams(max_tokens=4))
             assert call.result(timeout=60).version == fleet.version
+
+
+def test_a_vllm_engine_placed_by_ray_serves_the_fleets_weights(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``engine="vllm"``: the actor starts a vLLM server from the vLLM environment on its
+    node, behind the fleet's key; a push reaches it and its calls come back at the
+    pushed version."""
+    from ._vllm import ARGS, ENV, START, lively, python, save_model
+
+    env = ray_env()
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    model = save_model(tmp_path / "model")
+    with ray_cluster(env, {"engine": 1}, cpus=1) as (address, _):
+        fleet = EngineFleet.on_ray(
+            1, model=model, engine="vllm", python=python(), args=ARGS, env=ENV,
+            resources={"engine": 1}, address=address, startup_timeout=START,
+        )  # fmt: skip
+        with fleet:
+            (member,) = fleet.members()
+            assert member.state == "up" and member.node is not None and member.actor
+            fleet.load(lively(1), 5)
+            calls = [fleet.submit([7, 8, i], SamplingParams(max_tokens=4)) for i in range(3)]
+            assert {f.result(timeout=120).version for f in calls} == {5}

@@ -48,6 +48,7 @@ def _router(stack: ExitStack, urls: list[str], policy: str = "round_robin") -> s
     return process.start(120.0)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_a_fleet_behind_sglang_router(tmp_path: Path) -> None:
     with ExitStack() as stack:
@@ -140,6 +141,7 @@ class _GatedAdmin:
         return getattr(self.inner, name)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_load_returns_only_once_a_member_taken_out_during_the_push_left_the_list() -> None:
     # The health thread may take a stopped member out while a push waits on it; load

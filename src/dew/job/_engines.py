@@ -4,6 +4,7 @@ its own device), or servers at URLs that the run holds while it pushes to them."
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import socket
 from collections.abc import Callable
@@ -96,6 +97,8 @@ class EngineSection(Section):
             raise ValueError('address and resources place engines with Ray: kind = "ray"')
         if any(not (v >= 0) for v in self.resources.values()):
             raise ValueError("resources: every amount must be a number >= 0")
+        if self.kind == "ray" and importlib.util.find_spec("ray") is None:
+            raise ValueError("kind = \"ray\" needs Ray: pip install 'dew[ray]'")
         if self.kind == "vllm" and not self.urls:
             from dew.serving.vllm import vllm_python
 
@@ -163,6 +166,8 @@ def make_engine(
     try:
         engine = _KINDS[e.kind](e, at)
     except (EngineError, ValueError) as exc:
+        if e.kind == "ray":  # the cluster, not this run, is at fault: say so in one line
+            raise ConfigError(f'engine (kind = "ray"): {_first_line(exc)}') from None
         if not e.urls:
             raise
         why = _first_line(exc)

@@ -3,7 +3,8 @@
 An :class:`EngineFleet` fronts engine servers of one kind: ``dew serve`` processes,
 each driven by an :class:`~dew.serving.http_engine.HTTPEngine`, or vLLM servers, each
 driven by a :class:`~dew.serving.vllm.VLLMEngine` (``engine="vllm"``); given by URL or
-as engines, or started here as local processes (:meth:`EngineFleet.launch`). Sources
+as engines, started here as local processes (:meth:`EngineFleet.launch`), or placed on a
+cluster's nodes by Ray (:meth:`EngineFleet.on_ray`, :mod:`dew.serving.fleet._ray`). Sources
 see one engine; the trainer publishes to one :class:`~dew.core.Publisher`. Every rule
 below holds for both kinds; routing through sglang-router is for ``dew serve`` only.
 
@@ -61,8 +62,8 @@ Invariants:
   twice) and is aborted at the member best-effort (not at a local process known dead).
   A request's own ``EngineError`` fails that call only, unless the health check
   confirms the member is gone. The supervisor restarts a local process that died (same
-  command line); every member that answers again is brought to the fleet's version
-  (the newest weights file pushed) before it rejoins.
+  command line; under Ray, through its actor); every member that answers again is
+  brought to the fleet's version (the newest weights file pushed) before it rejoins.
 * Publish: ``load(variables, version)`` writes one weights file (only the newest two
   stay in the fleet's folder), pushes it to every member in rotation concurrently and
   returns once each of them serves ``version``; a member that refuses the file or does

@@ -122,6 +122,7 @@ class Launch:
             raise ValueError(f"engine={engine!r} is not one of {sorted(ENGINES)}")
         if engine == "vllm" and demo is not None:
             raise ValueError("engine='vllm' serves a model folder (model=)")
+        disconnect = connect(address)  # first: a cluster that does not answer leaves nothing
         if kwargs.get("weights_dir") is None:
             kwargs.update(weights_dir=private_folder("fleet-"), _own_dir=True)
         # Servers on other machines listen beyond loopback: never without a key.
@@ -132,7 +133,6 @@ class Launch:
             python=python, weights_dir=kwargs["weights_dir"], num_cpus=num_cpus,
             num_gpus=num_gpus, resources=resources, max_restarts=max_restarts,
         )  # fmt: skip
-        disconnect = connect(address)
         try:
             fleet = cls._started(processes, startup_timeout, engine=engine, **kwargs)
         except BaseException:

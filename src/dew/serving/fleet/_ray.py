@@ -30,6 +30,7 @@ URL; a watchdog ends that server if the actor's process dies.
 from __future__ import annotations
 
 import os
+import socket
 import threading
 import time
 import uuid
@@ -287,8 +288,27 @@ def connect(address: str | None) -> Callable[[], None]:
         raise ImportError("Ray fleets need Ray: pip install 'dew[ray]'") from None
     if ray.is_initialized():
         return lambda: None
-    ray.init(address=address, logging_level="WARNING", log_to_driver=False)
+    _answers(address)
+    try:
+        ray.init(address=address, logging_level="WARNING", log_to_driver=False)
+    except Exception as exc:  # an address no cluster answers, a refused token, ...
+        where = address or "the default address ($RAY_ADDRESS or this machine's)"
+        raise EngineError(f"cannot join the Ray cluster at {where}: {_first(exc)}") from None
     return ray.shutdown
+
+
+def _answers(address: str | None) -> None:
+    """EngineError unless something listens at a ``host:port`` address: Ray's own
+    connect retries an address where nothing listens for many minutes."""
+    host, sep, port = (address or "").rpartition(":")
+    if not sep or "/" in address or not port.isdigit():  # None, "auto", "local", "ray://..."
+        return
+    try:
+        socket.create_connection((host, int(port)), timeout=_ASK).close()
+    except OSError as exc:
+        raise EngineError(
+            f"cannot join the Ray cluster at {address}: nothing answers there ({exc})"
+        ) from None
 
 
 def _normal_priority() -> None:
