@@ -22,13 +22,18 @@ RAY = str(Path(sys.executable).with_name("ray"))
 STARTED = "Ray runtime started"
 
 
+# One token for every cluster of this test process: Ray reads a client's token once,
+# when it is first imported, so a second token would not reach the second cluster.
+_TOKEN = secrets.token_hex(32)
+
+
 def ray_env() -> dict[str, str]:
     """The environment of a test's Ray processes and of the test itself as a Ray client:
-    token authentication with a token of its own (never ~/.ray's, never written
+    token authentication with this process's own token (never ~/.ray's, never written
     there), and no usage report."""
     return {
         "RAY_AUTH_MODE": "token",
-        "RAY_AUTH_TOKEN": secrets.token_hex(32),
+        "RAY_AUTH_TOKEN": _TOKEN,
         "RAY_USAGE_STATS_ENABLED": "0",
     }
 
