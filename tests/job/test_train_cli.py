@@ -116,6 +116,7 @@ def dew_train(*args: str, api_key: str | None = None) -> subprocess.CompletedPro
     )
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_dew_train_exports_a_model_transformers_loads(tmp_path: Path, model_dir: Path) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -485,6 +486,7 @@ def load_model(folder: Path) -> Any:
     return AutoModelForCausalLM.from_pretrained(folder)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_a_second_trainer_on_a_running_folder_is_refused_in_one_line(
     tmp_path: Path, model_dir: Path

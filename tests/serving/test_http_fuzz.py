@@ -169,6 +169,7 @@ SETTINGS = {"deadline": None, "suppress_health_check": list(HealthCheck)}
 FUZZ = {"body": raw_bodies, "route": st.sampled_from(ROUTES) | st.just("/generate")}
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(600)
 @settings(max_examples=200, **SETTINGS)
 @given(**FUZZ)
