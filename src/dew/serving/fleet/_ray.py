@@ -56,32 +56,27 @@ class EngineHost:
         self._url: str | None = None
         self._lock = threading.Lock()  # serve and stop one at a time; alive reads only
 
-    def where(self) -> dict[str, Any]:
-        """The node Ray placed this actor on, its address, and the pids."""
+    def serve(self, timeout: float) -> dict[str, Any]:
+        """This node's server, started now unless it runs already: its URL, the node
+        Ray placed this actor on, and the actor's and the server's pids."""
         import ray
 
-        proc = None if self._process is None else self._process.proc
-        return {
-            "node": ray.get_runtime_context().get_node_id(),
-            "address": _node_address(),
-            "actor_pid": os.getpid(),
-            "server_pid": None if proc is None else proc.pid,
-        }
-
-    def serve(self, timeout: float) -> str:
-        """This node's server's URL, started now unless it runs already."""
         from dew.serving.fleet._parts import local_processes
 
         with self._lock:
-            if self._process is not None and self._process.alive():
-                assert self._url is not None
-                return self._url
-            if self._process is not None:
-                self._process.reset()
-            _normal_priority()
-            (self._process,) = local_processes(**self._spec, count=1, host=_node_address())
-            self._url = self._process.start(timeout, threading.Event())
-            return self._url
+            if self._process is None or not self._process.alive():
+                if self._process is not None:
+                    self._process.reset()
+                _normal_priority()
+                (self._process,) = local_processes(**self._spec, count=1, host=_node_address())
+                self._url = self._process.start(timeout, threading.Event())
+            proc = self._process.proc
+            return {
+                "url": self._url,
+                "node": ray.get_runtime_context().get_node_id(),
+                "actor_pid": os.getpid(),
+                "server_pid": None if proc is None else proc.pid,
+            }
 
     def alive(self) -> bool:
         process = self._process
@@ -116,11 +111,6 @@ class RayProcess:
         self.actor_pid: int | None = None
         self._said = ""  # the last server's output, kept for tail() after its actor died
 
-    @property
-    def actor(self) -> Any:
-        """The Ray actor handle (None before the first start and after stop)."""
-        return self._actor
-
     def _host(self) -> Any:
         if self._actor is None:
             import ray
@@ -145,8 +135,7 @@ class RayProcess:
         while True:
             actor = self._host()
             try:
-                url = self._wait(actor.serve.remote(deadline), end, stopping)
-                where = ray.get(actor.where.remote(), timeout=_ASK)
+                where = self._wait(actor.serve.remote(deadline), end, stopping)
             except RayActorError as exc:
                 # A call that was running when the actor died fails even while Ray
                 # restarts it (the next one waits for the restart); one that fails
@@ -162,7 +151,7 @@ class RayProcess:
                 raise EngineError(_first(exc.cause if exc.cause else exc)) from None
             self.node, self.actor_pid = where["node"], where["actor_pid"]
             self.server_pid = where["server_pid"]
-            return str(url)
+            return str(where["url"])
 
     def _give_up(self) -> None:
         import ray
