@@ -45,6 +45,7 @@ DIAGNOSTICS = {
     "cut_partial_len": ("scheduler", "metrics", "bias/cancelled_partial_len"),
     "mismatch_kl": ("metrics", "mismatch_kl"),
     "importance_capped": ("metrics", "importance_capped_fraction"),
+    "behavior_clipped": ("metrics", "behavior_clip_fraction"),
 }
 
 

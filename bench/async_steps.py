@@ -5,9 +5,9 @@ variants of one seed back to back (one process at a time, as ``bench/vs_trl_tail
 does), each until its reward reaches the task's threshold (the mean of the last 10
 steps, as there) or ``--max-steps``. A variant is a name and the ``DemoConfig`` fields it
 sets on top of the task's tuned settings (``--variant 'ahead 1:ahead=1,max_lag=1'``);
-the default set is the ablation of ``bench/RESULTS.md``: sync, the planned policy
-(ahead 2, oversample 2), and each of its parts and of the objective's off-policy knobs
-changed alone.
+the default set is sync, the benchmark's policy (ahead 2, no cut, with the task's
+importance cap and behavior clip) and each of its parts and of the objective's
+off-policy knobs changed alone.
 
 Figures per variant, over the seeds: steps to the threshold (median and the
 distribution-free interval of ``bench/_stats.py``), those steps over the synchronous
@@ -15,7 +15,9 @@ run's of the same seed (paired), the reward at step ``--at`` (the mean of the 10
 ending there: how far a run had got before the last stretch to the threshold),
 seconds per step and to the threshold, and from the runs' records: the mean lag of the
 trained rollouts (updates), the mean length of the admitted completions and of the
-cancelled ones when cut, and the KL between the behavior and proximal policies. The
+cancelled ones when cut, the KL between the behavior and proximal policies and the
+share of trained tokens the behavior clip picks (``GRPOObjective.clip_behavior``;
+reported whether it is on or not). The
 cores other work took during each run are reported too; a table with a run over
 ``_stats.QUIET`` is marked as measured under load.
 
@@ -44,26 +46,22 @@ from vs_trl_tail import THRESHOLDS, reach_seconds, reach_steps
 
 SYNC = "sync"
 _A2 = {"ahead": 2, "max_lag": 2}
-_A1 = {"ahead": 1, "max_lag": 1}
-_CAP2 = {"importance_cap": 2.0}  # the objective's default, and the tail tasks' until the ablation
-# name -> DemoConfig fields on top of the task's tuned ones. The first is the baseline
-# every other is paired with; then the policy `dew plan` recommended (ahead 2 +
-# oversample 2) and each change of it alone: no cut, one batch ahead, the masked
-# behavior weight, keys/values recomputed at a push (step lag for every token), a
-# higher cap or none, the higher cap with recomputing, and the chain-level weight.
+# name -> DemoConfig fields on top of the task's tuned ones (ahead and max_lag aside:
+# importance cap 10, the behavior clip on). The first is the baseline every other is
+# paired with; then the benchmark's policy (ahead 2, no cut) and each of its parts
+# changed alone: no behavior clip, one batch ahead or three, the objective's cap of 2,
+# the cut of the slowest samples, keys/values recomputed at a push (step lag for every
+# token), the masked behavior weight.
 VARIANTS: dict[str, dict[str, Any]] = {
     SYNC: {"ahead": 0, "max_lag": 0},
-    "ahead 2, os 2": {**_A2, "oversample": 2, **_CAP2},
-    "ahead 2": {**_A2, **_CAP2},
-    "ahead 1": {**_A1, **_CAP2},
-    "ahead 1, os 2": {**_A1, "oversample": 2, **_CAP2},
-    "ahead 2, masked importance": {**_A2, "importance": "mask", **_CAP2},
-    "ahead 2, recompute": {**_A2, "on_load": "recompute", **_CAP2},
-    "ahead 1, recompute": {**_A1, "on_load": "recompute", **_CAP2},
-    "ahead 2, no cap": {**_A2, "importance_cap": 1e6},
-    "ahead 2, cap 10": {**_A2, "importance_cap": 10.0},
-    "ahead 2, cap 10, recompute": {**_A2, "importance_cap": 10.0, "on_load": "recompute"},
-    "ahead 2, sequence, cap 10": {**_A2, "importance": "sequence", "importance_cap": 10.0},
+    "ahead 2": _A2,
+    "ahead 2, no behavior clip": {**_A2, "clip_behavior": False},
+    "ahead 1": {"ahead": 1, "max_lag": 1},
+    "ahead 3": {"ahead": 3, "max_lag": 3},
+    "ahead 2, cap 2": {**_A2, "importance_cap": 2.0},
+    "ahead 2, os 2": {**_A2, "oversample": 2},
+    "ahead 2, recompute": {**_A2, "on_load": "recompute"},
+    "ahead 2, masked importance": {**_A2, "importance": "mask"},
 }
 
 
@@ -158,8 +156,8 @@ def report(task: str, results: dict[str, list[RunResult]], at: int) -> str:
     lines = [
         f"| variant | seeds | steps to {threshold}, per seed | median (interval) | / sync's, per "
         f"seed | reward at step {at} | s/step | seconds to {threshold} | lag | admitted "
-        "len | cut len | mismatch KL |",
-        "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "len | cut len | mismatch KL | behavior-clipped |",
+        "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for name, measured in results.items():
         steps = [float(reach_steps(r)) for r in measured]
@@ -181,7 +179,8 @@ def report(task: str, results: dict[str, list[RunResult]], at: int) -> str:
             f"| {_mean_of(measured, 'lag', '{:.2f}')} "
             f"| {_mean_of(measured, 'admitted_len', '{:.1f}')} "
             f"| {_mean_of(measured, 'cut_partial_len', '{:.1f}')} "
-            f"| {_mean_of(measured, 'mismatch_kl', '{:.4f}')} |"
+            f"| {_mean_of(measured, 'mismatch_kl', '{:.4f}')} "
+            f"| {_mean_of(measured, 'behavior_clipped', '{:.2%}')} |"
         )
     machine, _ = load_summary([r.load for rs in results.values() for r in rs])
     lines += [

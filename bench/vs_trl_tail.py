@@ -81,12 +81,13 @@ TARGETS = {"tail": 3.0, "tail-turns": 3.0}
 SYNC_TARGET = 1.8
 # Steps to the threshold, async over sync (medians): staleness may cost at most this.
 STEPS_TARGET = 1.15
-# dew's policy on this workload: two batches ahead, no cut. The ablation of
-# bench/async_steps.py chose it (bench/RESULTS.md, "async steps: tail"): a cut of the
-# slowest samples falls on the longest answers, and with two batches ahead the trainer,
-# not the tail, sets the pace, so the cut costs steps and buys no time. `dew plan`'s
-# tail preset gives every sample of a group the same length, so it cannot see that.
-PLANNED = "2"
+# dew's policy on this workload: three batches ahead, no cut. The ablations of
+# bench/async_steps.py chose it (bench/RESULTS.md, "async steps"): with the tail tasks'
+# behavior clip, three batches ahead took about as many steps as two and fewer seconds
+# a step, since the trainer waits less for the engine; a cut of the slowest samples
+# falls on the longest answers and costs steps. `dew plan`'s tail preset gives every
+# sample of a group the same length, so it cannot see that.
+PLANNED = "3"
 
 
 @dataclass(frozen=True)
@@ -127,6 +128,21 @@ class Run:
     ahead: int = 1
     oversample: int = 0
     engines: int = 0
+
+
+def saved_policy(folder: str, task: str) -> Policy:
+    """The policy of the in-process dew runs saved in ``folder`` for ``task``, read off
+    their specs (so ``--load`` renders runs made under an earlier default)."""
+    specs = [
+        RunResult.from_json(path.read_text()).spec
+        for path in Path(folder).glob(f"{task}-dew_(ahead_*.json")
+        if "engine_processes" not in path.name
+    ]
+    found = {(spec.ahead, spec.oversample) for spec in specs}
+    if len(found) != 1:
+        saved = found or "none"
+        raise SystemExit(f"--load {folder}: pass --policy (saved {task} policies: {saved})")
+    return Policy(*found.pop())
 
 
 def _runs(policy: Policy, fleet: int) -> list[Run]:
@@ -334,8 +350,9 @@ def main() -> None:
     ap.add_argument("--seeds", default="0,1,2,3,4", help="comma-separated seeds, one run each")
     ap.add_argument(
         "--policy",
-        default=PLANNED,
-        help=f"dew's policy: ahead[,os=N] (default {PLANNED}, the ablation's choice)",
+        default=None,
+        help=f"dew's policy: ahead[,os=N] (default {PLANNED}, the ablation's choice; "
+        "with --load, the saved runs' own)",
     )
     ap.add_argument("--fleet", type=int, default=2, help="engine processes of the fleet run")
     ap.add_argument("--save", default=None, help="folder to keep every run's result in")
@@ -358,7 +375,13 @@ def main() -> None:
         args.dew_threads = args.threads
     if not args.seeds or min(args.threads, args.dew_threads, args.max_steps) < 1 or args.fleet < 0:
         raise SystemExit("need a seed, --threads, --dew-threads and --max-steps >= 1, --fleet >= 0")
-    runs = _runs(Policy.parse(args.policy), args.fleet)
+    if args.policy is not None:
+        policy = Policy.parse(args.policy)
+    elif args.load:
+        policy = saved_policy(args.load, tasks[0])
+    else:
+        policy = Policy.parse(PLANNED)
+    runs = _runs(policy, args.fleet)
     if args.tiny:
         args.seeds, args.max_steps, args.max_seconds, args.write = [0], 2, 120.0, False
     if args.save:

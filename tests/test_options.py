@@ -67,6 +67,9 @@ EFFECT_TESTS: dict[Callable[..., Any], dict[str, str]] = {
         "temperature": KNOBS,
         "kl_coef": KL,
         "reference": KL,
+        "clip_behavior": (
+            f"{GRPO}::test_clip_behavior_stops_the_tokens_that_moved_past_the_band_since_sampling"
+        ),
         "proximal": (
             "objectives/rl/test_grpo_proximal.py::"
             "test_a_scheduler_over_a_forward_objective_makes_no_rescoring_forward"

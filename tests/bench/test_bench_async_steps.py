@@ -46,7 +46,7 @@ def _saved(folder: Path, name: str, seed: int, steps: int, ahead: int) -> None:
         idle=[0.0] * steps,
         stopped="reward",
         load=0.01,
-        diagnostics={"lag": float(ahead), "admitted_len": 40.0},
+        diagnostics={"lag": float(ahead), "admitted_len": 40.0, "behavior_clipped": 0.0125},
     )
     (folder / f"tail-{name}-{seed}.json").write_text(result.to_json())
 
@@ -70,4 +70,5 @@ def test_the_table_pairs_each_variant_with_sync_seed_by_seed(tmp_path: Path) -> 
         in (out.stdout)
     )
     assert "| sync | 0-2 | 100, 120, 110 | 110 (100-120) | - | 0.100 (0.100-0.160) |" in out.stdout
+    assert "| 2.00 | 40.0 | - | - | 1.25% |" in out.stdout  # lag, lengths, KL, behavior clip
     assert "quiet: other work took at most 0.01 cores" in out.stdout

@@ -86,6 +86,7 @@ class DemoConfig:
     # The behavior weight's rule and bound (None: GRPOObjective's defaults).
     importance: str | None = None
     importance_cap: float | None = None
+    clip_behavior: bool = False  # GRPOObjective's: also clip against the behavior policy
     # fit takes one update per batch, so the loss's own forward gives the proximal
     # log-probs exactly and the rescoring forward is skipped (GRPOObjective's docstring).
     proximal: str = "forward"
@@ -228,7 +229,10 @@ TASK_DEFAULTS: dict[str, dict[str, Any]] = {
     # masked one escapes every penalty, and lengths then run away to the cap.
     # The behavior weight is truncated at 10, not the objective's 2: rollouts a few
     # updates old under-sample exactly the tokens the policy is learning fastest, and a
-    # low cap takes most of their correction away (bench/RESULTS.md, "async steps").
+    # low cap takes most of their correction away. The behavior clip keeps stale batches
+    # from pushing the stop token's probability past where the policy already took it,
+    # which otherwise swings the answer lengths from batch to batch (bench/RESULTS.md,
+    # "async steps").
     "tail": {
         "steps": 200,
         "lr": 1e-3,
@@ -236,6 +240,7 @@ TASK_DEFAULTS: dict[str, dict[str, Any]] = {
         "estimator": "group_std",
         "clip_high": 0.28,
         "importance_cap": 10.0,
+        "clip_behavior": True,
         "truncation": "score",
     },
     "tail-turns": {
@@ -245,6 +250,7 @@ TASK_DEFAULTS: dict[str, dict[str, Any]] = {
         "estimator": "group_std",
         "clip_high": 0.28,
         "importance_cap": 10.0,
+        "clip_behavior": True,
         "truncation": "score",
     },
 }
@@ -319,6 +325,7 @@ def demo_recipe(
         objective={
             "clip_high": config.clip_high,
             "proximal": config.proximal,
+            "clip_behavior": config.clip_behavior,
             **{name: value for name, value in chosen.items() if value is not None},
         },
         seed=config.seed,

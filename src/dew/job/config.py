@@ -7,8 +7,8 @@ A config has these sections (each a table; ``[[rewards]]`` an array of tables)::
     [[rewards]]  function ("pkg.mod:fn" or "path/to/file.py:fn"), weight, timeout
     [sampling]   the fields of dew.core.SamplingParams
     [scheduler]  the knobs of dew.objectives.rl.SchedulerConfig
-    [objective]  clip, clip_high, importance_cap, importance, kl_coef, proximal of
-                 GRPOObjective
+    [objective]  clip, clip_high, importance_cap, importance, kl_coef, proximal,
+                 clip_behavior of GRPOObjective
     [training]   steps, tasks, lr, warmup_steps, schedule, max_grad_norm,
                  micro_batches, seed, ...
     [engine]     kind ("in-process", "fleet", "urls", "vllm", "ray"), engines, urls,

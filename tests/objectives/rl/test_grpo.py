@@ -655,6 +655,33 @@ def test_importance_sequence_weighs_each_packed_chain_by_its_product() -> None:
     assert abs(float(got) - float(truncated)) > 1e-4
 
 
+def test_clip_behavior_stops_the_tokens_that_moved_past_the_band_since_sampling() -> None:
+    model, batch, current, cells = _at_current_weights(seed=14)
+    # r = 1, so pi_theta / pi_behavior is the behavior weight w: e^0.4 (past 1 + 0.28),
+    # e^-0.4 (under 1 - 0.2) and e^0.1 (inside the band)
+    log_w = np.select([cells % 3 == 0, cells % 3 == 1], [0.4, -0.4], 0.1)
+    batch["behavior_log_probs"] = (current - log_w).astype(np.float32)
+    batch["advantages"] = np.where(cells % 4 < 2, -1.0, 0.5).astype(np.float32)
+    with torch.no_grad():
+        got, stats = GRPOObjective(clip_high=0.28, clip_behavior=True).loss(model, batch)
+        plain, plain_stats = GRPOObjective(clip_high=0.28).loss(model, batch)
+    trained = batch["loss_mask"] > 0
+    adv = batch["advantages"].astype(np.float64)
+    # by hand: a token whose probability rose past the band and whose advantage pushes
+    # it up (or fell under it, pushed down) adds nothing; the rest add -w * A
+    past = trained & (((cells % 3 == 0) & (adv > 0)) | ((cells % 3 == 1) & (adv < 0)))
+    kept = trained & ~past
+    rows, width = current.shape
+    want = -(np.exp(log_w[kept]) * adv[kept]).sum() / (rows * width)
+    assert float(got) == pytest.approx(want, rel=1e-5)
+    assert abs(float(got) - float(plain)) > 1e-4
+    share = float(past.sum() / trained.sum())
+    assert 0 < share < 1
+    # the metric counts those tokens either way: it says what the option would stop
+    assert stats["behavior_clip_fraction"] == pytest.approx(share, rel=1e-6)
+    assert plain_stats["behavior_clip_fraction"] == pytest.approx(share, rel=1e-6)
+
+
 # --------------------------------------------------------------------------- bad input
 
 
@@ -671,6 +698,7 @@ def test_importance_sequence_weighs_each_packed_chain_by_its_product() -> None:
         ({"temperature": -1.0}, "temperature"),
         ({"kl_coef": -0.1}, "kl_coef"),
         ({"kl_coef": float("nan")}, "kl_coef"),
+        ({"clip_behavior": 1}, "clip_behavior"),
     ],
 )
 def test_constructor_rejects_bad_parameters(kwargs: dict[str, float], name: str) -> None:

@@ -57,6 +57,40 @@ def test_truncation_caps_the_weight_and_masking_zeroes_it_outside_the_band() -> 
     assert not changed.any()
 
 
+def test_clip_behavior_hand_worked() -> None:
+    # band [0.8, 1.28] on pi_theta / pi_behavior = r * w
+    ratio = torch.tensor([1.0, 1.0, 1.0, 1.0, 1.0, 1.1, 1.0])
+    imp = torch.tensor([1.5, 1.5, 0.5, 0.5, 1.2, 1.25, 3.0])  # w = proximal / behavior
+    adv = torch.tensor([1.0, -1.0, -1.0, 1.0, 1.0, 1.0, 1.0])
+    mask = torch.tensor([1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 0.0])
+    proximal = torch.full((7,), -2.0)
+    behavior = proximal - imp.log()
+    logp = (proximal + ratio.log()).requires_grad_()
+
+    def run(on: bool) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        return decoupled_ppo_loss(
+            logp[None], proximal[None], behavior[None], adv[None], mask[None],
+            clip=0.2, clip_high=0.28, cap=2.0, clip_behavior=on,
+        )  # fmt: skip
+
+    per_token, metrics = run(True)
+    #   rose to 1.5 and pushed up -> 0; rose, pushed down -> trains (1.5);
+    #   fell to 0.5 and pushed down -> 0; fell, pushed up -> trains (-0.5);
+    #   1.2 inside the band -> trains; 1.1 * 1.25 = 1.375 past it though r alone is
+    #   inside the proximal band -> 0; masked -> 0
+    expect = torch.tensor([0.0, 1.5, 0.0, -0.5, -1.2, 0.0, 0.0])
+    torch.testing.assert_close(per_token[0], expect)
+    per_token.sum().backward()
+    torch.testing.assert_close(logp.grad, torch.tensor([0.0, 1.5, 0.0, -0.5, -1.2, 0.0, 0.0]))
+    assert metrics["behavior_clip_fraction"] == pytest.approx(3 / 6)
+    assert metrics["clip_fraction"] == 0  # the proximal band binds nowhere
+    off, off_metrics = run(False)
+    torch.testing.assert_close(
+        off[0].detach(), torch.tensor([-1.5, 1.5, 0.5, -0.5, -1.2, -1.375, 0.0])
+    )
+    assert off_metrics["behavior_clip_fraction"] == pytest.approx(3 / 6)
+
+
 def test_a_sequence_weight_is_its_chains_product_truncated_at_the_cap() -> None:
     # row 0 holds chain 1 (log w 0.1, 0.2) and chain 2 (log w 0.5, 0.6, untrained 0);
     # row 1 holds chain 1 (log w -0.3, -0.4) and padding

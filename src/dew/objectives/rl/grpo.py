@@ -26,6 +26,17 @@ policy chose. Rollouts a few updates old under-sample the tokens the policy has 
 learning fastest (likely now, rare then), so these are exactly the tokens with a large
 ``w``: a tight cap takes most of their correction away.
 
+``clip_behavior=True`` also takes the clip band around the *behavior* policy: a token
+whose probability has already moved past the band since it was sampled (``pi_theta /
+pi_behavior`` above ``1 + clip_high`` with a positive advantage, or under ``1 - clip``
+with a negative one) stops training, as in PPO's clip against the policy that sampled.
+The proximal band alone cannot see that movement (under ``proximal="forward"`` its ratio
+is exactly 1). Without it, rollouts a few updates old keep pushing a fast-moving
+probability (the stop token's, say) in the direction the policy has already gone, and
+the policy overshoots: a feedback loop with a delay swings (see ``bench/RESULTS.md``,
+"async steps"). On a fresh batch ``pi_behavior`` is ``pi_proximal``, so it changes nothing
+there. ``behavior_clip_fraction`` counts those tokens whether the option is on or not.
+
 Decisions worth knowing:
 
 * Normalization: the summed per-token loss is divided by a constant (default
@@ -230,6 +241,7 @@ def decoupled_ppo_loss(
     cap: float,
     importance: str = "truncate",
     segments: torch.Tensor | None = None,
+    clip_behavior: bool = False,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Per-token decoupled PPO loss (to minimize) and detached metric scalars.
 
@@ -239,8 +251,12 @@ def decoupled_ppo_loss(
     Returns ``per_token`` [rows, width] = ``-mask * w * min(r * A, clip(r) * A)`` with
     ``w = behavior_importance(proximal, behavior, cap, importance)`` (detached), ``r = exp(logp -
     proximal)`` and ``clip(r)`` in ``[1 - clip, 1 + (clip_high or clip)]``; 0 where
-    ``mask`` is 0. Metrics: mismatch_kl, importance_mean, importance_max (before the
-    cap), importance_capped_fraction, clip_fraction, ratio_mean, trained_tokens.
+    ``mask`` is 0, and 0 with ``clip_behavior`` where ``rho = pi_theta / pi_behavior``
+    (``r`` times the raw ``w``) is above ``1 + (clip_high or clip)`` with ``A > 0`` or
+    under ``1 - clip`` with ``A < 0``. Metrics: mismatch_kl, importance_mean,
+    importance_max (before the cap), importance_capped_fraction, clip_fraction,
+    behavior_clip_fraction (the tokens that ``rho`` test picks, on or off), ratio_mean,
+    trained_tokens.
     """
     high = clip if clip_high is None else clip_high
     mask = mask.to(logp.dtype)
@@ -256,6 +272,13 @@ def decoupled_ppo_loss(
     ratio = torch.exp(log_ratio)  # [rows, width]
     clipped = ratio.clamp(1.0 - clip, 1.0 + high)  # [rows, width]
     surrogate = torch.minimum(ratio * adv, clipped * adv)  # [rows, width]
+    # pi_theta / pi_behavior: how far each token's probability moved since it was sampled
+    moved = (log_ratio + log_w).detach()  # [rows, width]
+    past = trained & (
+        ((adv > 0) & (moved > math.log1p(high))) | ((adv < 0) & (moved < math.log1p(-clip)))
+    )  # [rows, width]
+    if clip_behavior:
+        surrogate = torch.where(past, zero, surrogate)
     per_token = -(mask * weight * surrogate)  # [rows, width]
 
     with torch.no_grad():
@@ -270,6 +293,7 @@ def decoupled_ppo_loss(
             "importance_max": torch.cat([zero.new_zeros(1), raw_w[trained]]).max(),
             "importance_capped_fraction": (trained & changed).sum() / denom,
             "clip_fraction": clip_active.sum() / denom,
+            "behavior_clip_fraction": past.sum() / denom,
             "ratio_mean": torch.where(trained, r, zero).sum() / denom,
             "trained_tokens": n.to(logp.dtype),
         }
@@ -291,6 +315,8 @@ class GRPOObjective:
     (:data:`IMPORTANCE`: ``"truncate"`` at ``importance_cap``, ``"mask"`` outside
     ``[1 / importance_cap, importance_cap]``, or ``"sequence"``, each chain's product
     truncated at ``importance_cap``; see the module docstring).
+    ``clip_behavior`` also stops every token whose ``pi_theta / pi_behavior`` has left
+    the clip band in its advantage's direction (see the module docstring).
     ``temperature`` must be the sampling temperature, so trainer log-probs describe
     the same distribution the engine drew from. ``kl_coef`` (0: off) adds that many
     times :func:`reference_kl` against the frozen ``reference`` model to every trained
@@ -311,6 +337,7 @@ class GRPOObjective:
         kl_coef: float = 0.0,
         reference: torch.nn.Module | None = None,
         proximal: ProximalChoice = "rescore",
+        clip_behavior: bool = False,
     ) -> None:
         self.clip = _positive("clip", clip)
         self.clip_high = None if clip_high is None else _positive("clip_high", clip_high)
@@ -332,6 +359,9 @@ class GRPOObjective:
         if proximal not in PROXIMAL:
             raise ValueError(f"proximal={proximal!r} is not one of {list(PROXIMAL)}")
         self.proximal: ProximalChoice = proximal
+        if not isinstance(clip_behavior, bool):
+            raise ValueError(f"clip_behavior must be True or False, got {clip_behavior!r}")
+        self.clip_behavior = clip_behavior
 
     def __repr__(self) -> str:
         return (
@@ -442,6 +472,7 @@ class GRPOObjective:
             cap=self.importance_cap,
             importance=self.importance,
             segments=self._segments(batch) if self.importance == "sequence" else None,
+            clip_behavior=self.clip_behavior,
         )
         if self.kl_coef > 0:
             assert self.reference is not None
