@@ -5,9 +5,9 @@ variants of one seed back to back (one process at a time, as ``bench/vs_trl_tail
 does), each until its reward reaches the task's threshold (the mean of the last 10
 steps, as there) or ``--max-steps``. A variant is a name and the ``DemoConfig`` fields it
 sets on top of the task's tuned settings (``--variant 'ahead 1:ahead=1,max_lag=1'``);
-the default set is sync, the benchmark's policy (ahead 2, no cut, with the task's
-importance cap and behavior clip) and each of its parts and of the objective's
-off-policy knobs changed alone.
+the default set is sync, ahead 2 with the task's settings (no cut, importance cap
+and behavior clip) and each of its parts and of the objective's off-policy knobs changed
+alone, ahead 3 (the benchmark's policy) among them.
 
 Figures per variant, over the seeds: steps to the threshold (median and the
 distribution-free interval of ``bench/_stats.py``), those steps over the synchronous
@@ -48,8 +48,8 @@ SYNC = "sync"
 _A2 = {"ahead": 2, "max_lag": 2}
 # name -> DemoConfig fields on top of the task's tuned ones (ahead and max_lag aside:
 # importance cap 10, the behavior clip on). The first is the baseline every other is
-# paired with; then the benchmark's policy (ahead 2, no cut) and each of its parts
-# changed alone: no behavior clip, one batch ahead or three, the objective's cap of 2,
+# paired with; then ahead 2 without a cut and each of its parts changed alone: no
+# behavior clip, one batch ahead or three (the benchmark's policy), the objective's cap of 2,
 # the cut of the slowest samples, keys/values recomputed at a push (step lag for every
 # token), the masked behavior weight.
 VARIANTS: dict[str, dict[str, Any]] = {
