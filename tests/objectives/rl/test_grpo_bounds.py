@@ -240,7 +240,7 @@ def test_float64_metrics_are_exact_fractions() -> None:
 def test_defaults_and_the_cap_bounds() -> None:
     assert repr(GRPOObjective()) == (
         "GRPOObjective(clip=0.2, clip_high=None, importance_cap=2.0, importance='truncate', "
-        "temperature=1.0, kl_coef=0.0, proximal='rescore')"
+        "temperature=1.0, kl_coef=0.0, proximal='rescore', clip_behavior=False)"
     )
     assert GRPOObjective(importance_cap=1).importance_cap == 1.0  # no upweighting at all
     for cap in (float("inf"), float("nan"), 0.99, "2"):

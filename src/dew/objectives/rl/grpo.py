@@ -229,6 +229,14 @@ def reference_kl(logp: torch.Tensor, reference: torch.Tensor, mask: torch.Tensor
     return torch.exp(d) - d - 1.0  # [rows, width]
 
 
+def _pushed_past(
+    ratio: torch.Tensor, adv: torch.Tensor, trained: torch.Tensor, clip: float, high: float
+) -> torch.Tensor:
+    """Trained tokens whose ``ratio`` left ``[1 - clip, 1 + high]`` on the side their
+    advantage pushes it toward; all [rows, width]."""
+    return trained & (((adv > 0) & (ratio > 1.0 + high)) | ((adv < 0) & (ratio < 1.0 - clip)))
+
+
 def decoupled_ppo_loss(
     logp: torch.Tensor,
     proximal: torch.Tensor,
@@ -273,10 +281,8 @@ def decoupled_ppo_loss(
     clipped = ratio.clamp(1.0 - clip, 1.0 + high)  # [rows, width]
     surrogate = torch.minimum(ratio * adv, clipped * adv)  # [rows, width]
     # pi_theta / pi_behavior: how far each token's probability moved since it was sampled
-    moved = (log_ratio + log_w).detach()  # [rows, width]
-    past = trained & (
-        ((adv > 0) & (moved > math.log1p(high))) | ((adv < 0) & (moved < math.log1p(-clip)))
-    )  # [rows, width]
+    moved = ratio.detach() * raw_w  # [rows, width]
+    past = _pushed_past(moved, adv, trained, clip, high)  # [rows, width]
     if clip_behavior:
         surrogate = torch.where(past, zero, surrogate)
     per_token = -(mask * weight * surrogate)  # [rows, width]
@@ -285,7 +291,7 @@ def decoupled_ppo_loss(
         n = trained.sum()
         denom = n.clamp(min=1).to(logp.dtype)
         r = ratio.detach()
-        clip_active = trained & (((adv > 0) & (r > 1.0 + high)) | ((adv < 0) & (r < 1.0 - clip)))
+        clip_active = _pushed_past(r, adv, trained, clip, high)
         metrics = {
             "mismatch_kl": mismatch_kl(proximal, behavior, trained),
             "importance_mean": torch.where(trained, raw_w, zero).sum() / denom,
@@ -368,7 +374,8 @@ class GRPOObjective:
             f"GRPOObjective(clip={self.clip}, clip_high={self.clip_high}, "
             f"importance_cap={self.importance_cap}, importance={self.importance!r}, "
             f"temperature={self.temperature}, "
-            f"kl_coef={self.kl_coef}, proximal={self.proximal!r})"
+            f"kl_coef={self.kl_coef}, proximal={self.proximal!r}, "
+            f"clip_behavior={self.clip_behavior})"
         )
 
     def packed_log_probs(
