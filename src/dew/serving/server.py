@@ -8,7 +8,10 @@ them all. Each engine iteration:
    one), drops requests whose ``stop`` event is set, and admits pending requests into
    free slots (at most ``max_batch`` active). An idle engine woken by a request first
    lets a burst of concurrent calls land (until 0.5 ms pass without a new one, 5 ms at
-   most), so they are prefilled as one batch;
+   most), so they are prefilled as one batch. A busy engine batches its admissions the
+   same way, counted in iterations: while at least ``_BUSY`` requests are active, fewer
+   than ``_ENOUGH`` pending requests wait up to ``admit_wait`` iterations for others
+   (see :func:`_admit_now`);
 2. after a load, recomputes the running requests' keys/values under the new weights, so
    every token sampled after a push comes from the new weights alone (``on_load=
    "recompute"``, the default; ``"keep"`` lets them go on over the keys/values they
@@ -101,6 +104,26 @@ _QUIET = 0.0005
 # What a weight load does to the running requests' keys/values (see the module docstring).
 ON_LOAD = ("recompute", "keep")
 _GATHER = 0.005
+# A busy engine admits arrivals together (``admit_wait``). A prefill call costs about as
+# much as decoding a few dozen rows whatever it admits, and arrivals of a multi-turn
+# workload (each session's next turn, after its tool call) come one or two at a time.
+# Below _BUSY active requests the batch is small enough that a wait would idle the
+# engine and delay the request for little; _ENOUGH pending requests are a batch already.
+_BUSY = 16
+_ENOUGH = 8
+
+
+def _admit_now(active: int, pending: int, deferred: int, admit_wait: int) -> bool:
+    """Whether an iteration admits its ``pending`` requests, the engine having put
+    admission off for the last ``deferred`` iterations with ``active`` requests running.
+
+    Admission waits only while the engine is busy (``active >= _BUSY``) and the pending
+    requests are few (``pending < _ENOUGH``), and never for more than ``admit_wait``
+    iterations in a row; a busy engine iterates, so every wait ends.
+    """
+    if pending == 0 or active < _BUSY or pending >= _ENOUGH:
+        return True
+    return deferred >= admit_wait
 
 
 class RolloutServer(Engine):
@@ -119,6 +142,10 @@ class RolloutServer(Engine):
     alone; ``"keep"``: left as they are, the load costs nothing but the copy; see the
     module docstring). ``device``: where the engine's copy goes (default: where
     ``model`` is), so an engine can run on another GPU than the trainer.
+    ``admit_wait``: how many iterations a busy engine may put off admitting a few
+    pending requests so that later arrivals join their prefill (0: admit at every
+    iteration; see the module docstring). It trades a few decode steps of a new
+    request's latency for fewer, fuller prefills.
 
     Greedy requests (``temperature=0``) report log-prob 0.0 per token (the point mass on
     the argmax), ``temperature=1.0`` in their :class:`Call`, and a one-id support per
@@ -147,6 +174,7 @@ class RolloutServer(Engine):
         prefix_cache: int | None = None,
         on_load: str = "recompute",
         device: str | torch.device | None = None,
+        admit_wait: int = 4,
     ) -> None:
         version = as_int(version, "version")
         if version < 0:
@@ -170,6 +198,9 @@ class RolloutServer(Engine):
         kept = kept if share_prefixes else 0
         if on_load not in ON_LOAD:
             raise ValueError(f"on_load={on_load!r} is not one of {list(ON_LOAD)}")
+        self._admit_wait = as_int(admit_wait, "admit_wait")
+        if self._admit_wait < 0:
+            raise ValueError(f"admit_wait must be >= 0, got {admit_wait}")
         self._model = copy.deepcopy(model).eval().requires_grad_(False)
         if device is not None:  # the engine's copy on its own device, the trainer's stays
             self._model.to(device)
@@ -206,6 +237,8 @@ class RolloutServer(Engine):
         self._broken: BaseException | None = None  # guarded by _cond
         self._version = version  # written by the engine under _cond
         self._iteration = 0  # written by the engine under _cond
+        self._deferred = 0  # the engine thread's: iterations admission was put off in a row
+        self._admissions = 0  # written by the engine under _cond: iterations that admitted
         self._timings = IterationLog()  # written by the engine thread; locks itself
         self._thread = threading.Thread(target=self._run, name="RolloutServer-engine", daemon=True)
         self._thread.start()
@@ -254,7 +287,8 @@ class RolloutServer(Engine):
         ``prompt_tokens``: prompt tokens of every request admitted so far (served);
         ``prompt_tokens_computed``: those the model actually ran at admission. The rest
         were copied from a shared prefix, so for single-turn groups of G identical
-        prompts admitted together, computed is served / G.
+        prompts admitted together, computed is served / G. ``admissions``: iterations
+        that admitted at least one request.
         """
         batch = self._batch
         with self._cond:
@@ -263,6 +297,7 @@ class RolloutServer(Engine):
                 "active": len(batch.active),
                 "loads": len(self._loads),
                 "iterations": self._iteration,
+                "admissions": self._admissions,
                 "prompt_tokens": batch.served,
                 "prompt_tokens_computed": batch.computed,
                 "kept": 0 if batch.kept is None else len(batch.kept),
@@ -423,8 +458,15 @@ class RolloutServer(Engine):
             dropped = [r for r in self._pending if r.stopped]
             if dropped:
                 self._pending = deque(r for r in self._pending if not r.stopped)
-            room = self._max_batch - len(self._batch.active)
+            active = len(self._batch.active)
+            room = self._max_batch - active
+            if _admit_now(active, len(self._pending), self._deferred, self._admit_wait):
+                self._deferred = 0
+            else:
+                self._deferred += 1
+                room = 0
             joiners = [self._pending.popleft() for _ in range(min(room, len(self._pending)))]
+            self._admissions += bool(joiners)
             self._iteration += 1
             iteration = self._iteration
         batch = self._batch
