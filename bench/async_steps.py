@@ -25,7 +25,8 @@ cores other work took during each run are reported too; a table with a run over
 
 ``--save DIR`` keeps every run's result; ``--load DIR`` renders them again without
 running anything; ``--write`` replaces this task's ``## async steps`` section of
-bench/RESULTS.md; ``--tiny`` runs two small steps of two variants and writes nothing.
+bench/RESULTS.md (``--title T``: the section ``## async steps: TASK, T`` instead);
+``--tiny`` runs two small steps of two variants and writes nothing.
 """
 
 from __future__ import annotations
@@ -51,7 +52,8 @@ _A2 = {"ahead": 2, "max_lag": 2}
 # paired with; then ahead 2 without a cut and each of its parts changed alone: no
 # behavior clip, one batch ahead or three (the benchmark's policy), the objective's cap of 2,
 # the cut of the slowest samples, keys/values recomputed at a push (step lag for every
-# token), the masked behavior weight.
+# token), the masked behavior weight; and the benchmark's policy with the engine
+# admitting arrivals at every iteration (its admit_wait at 0).
 VARIANTS: dict[str, dict[str, Any]] = {
     SYNC: {"ahead": 0, "max_lag": 0},
     "ahead 2": _A2,
@@ -62,6 +64,7 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "ahead 2, os 2": {**_A2, "oversample": 2},
     "ahead 2, recompute": {**_A2, "on_load": "recompute"},
     "ahead 2, masked importance": {**_A2, "importance": "mask"},
+    "ahead 3, admit at once": {"ahead": 3, "max_lag": 3, "admit_wait": 0},
 }
 
 
@@ -211,6 +214,9 @@ def main() -> None:
     ap.add_argument("--load", default=None, help="render the results saved in this folder")
     ap.add_argument("--tiny", action="store_true", help="two small steps, no write")
     ap.add_argument("--write", action="store_true", help="update bench/RESULTS.md")
+    ap.add_argument(
+        "--title", default=None, help="written as '## async steps: TASK, TITLE' (another section)"
+    )
     args = ap.parse_args()
     args.seeds = parse_seeds(args.seeds)
     args.dew_threads = args.threads  # what run_provenance reads
@@ -243,8 +249,9 @@ def main() -> None:
     print(f"\nbench wall time: {elapsed:.0f} s")
     run = run_provenance("async_steps.py", elapsed, args)
     if args.write:
+        title = args.task if args.title is None else f"{args.task}, {args.title}"
         write_section(
-            f"## async steps: {args.task}\n\n{__doc__.split(chr(10) + chr(10))[1]}\n\n"
+            f"## async steps: {title}\n\n{__doc__.split(chr(10) + chr(10))[1]}\n\n"
             f"{provenance_lines(run)}\n{text}\n"
         )
         print("wrote the async steps section of bench/RESULTS.md")

@@ -188,3 +188,16 @@ def test_the_demo_passes_its_objective_knobs_on() -> None:
         default = build_job(DemoConfig(steps=1), stack).objective
         assert (default.importance, default.importance_cap) == ("truncate", 2.0)
         assert default.clip_behavior is False
+
+
+def test_the_demo_passes_admit_wait_to_its_engine() -> None:
+    import inspect
+    from contextlib import ExitStack
+
+    from dew.demo.run import DemoConfig, build_job
+    from dew.serving import RolloutServer
+
+    served = inspect.signature(RolloutServer).parameters["admit_wait"].default
+    with ExitStack() as stack:
+        assert build_job(DemoConfig(steps=1), stack).engine.admit_wait == served
+        assert build_job(DemoConfig(steps=1, admit_wait=0), stack).engine.admit_wait == 0

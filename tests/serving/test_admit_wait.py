@@ -99,6 +99,7 @@ def test_a_lone_arrival_waits_admit_wait_iterations_beside_a_busy_batch(
 ) -> None:
     stop = threading.Event()
     with RolloutServer(qwen, max_batch=64, admit_wait=admit_wait) as server:
+        assert server.admit_wait == admit_wait
         try:
             running = _busy(server, _BUSY, stop)
             waited = _lone_wait(server)

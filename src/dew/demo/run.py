@@ -96,6 +96,9 @@ class DemoConfig:
     # the faster of the two on the multi-turn tail task (bench/RESULTS.md, "Figures moved
     # out of code comments").
     on_load: str = "keep"
+    # Iterations a busy in-process engine may put off admitting a few arrivals so that
+    # they share a prefill (None: RolloutServer's default; 0 admits at every iteration).
+    admit_wait: int | None = None
     digits: tuple[int, int] = (2, 4)  # single task: shortest and longest digit string
     stop_weight: float = 1.0  # single task: credit for stopping, in digit positions
     checkpoint_every: int = 20
@@ -355,8 +358,13 @@ def _engine(config: DemoConfig, needs: Needs, stack: ExitStack) -> Any:
     else:
         from dew.serving import RolloutServer
 
+        waits = {} if config.admit_wait is None else {"admit_wait": config.admit_wait}
         server = RolloutServer(
-            needs.model, max_batch=needs.in_flight, seed=needs.seed, on_load=config.on_load
+            needs.model,
+            max_batch=needs.in_flight,
+            seed=needs.seed,
+            on_load=config.on_load,
+            **waits,
         )
     stack.callback(server.close)
     return server

@@ -260,6 +260,11 @@ class RolloutServer(Engine):
         return self._vocab
 
     @property
+    def admit_wait(self) -> int:
+        """Iterations a busy engine may put off admitting a few arrivals."""
+        return self._admit_wait
+
+    @property
     def max_len(self) -> int:
         """The longest prompt + completion a request may ask for."""
         return self._max_len
