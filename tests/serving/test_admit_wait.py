@@ -56,17 +56,20 @@ def test_no_request_waits_more_than_admit_wait_iterations(
         assert deferred <= admit_wait
 
 
-def _busy(server: RolloutServer, count: int, stop: threading.Event) -> list[Future[Call]]:
-    """``count`` long greedy requests, running once this returns."""
+def _busy(
+    server: RolloutServer, count: int, stop: threading.Event, *, seed: int = 3
+) -> list[Future[Call]]:
+    """``count`` more long greedy requests, running once this returns."""
+    total = server.stats()["active"] + count
     vocab = server.vocab_size
-    futures = [server.submit(p, LONG, stop=stop) for p in prompts(count, vocab, seed=3)]
-    wait_until(lambda: server.stats()["active"] == count, f"{count} active requests")
+    futures = [server.submit(p, LONG, stop=stop) for p in prompts(count, vocab, seed=seed)]
+    wait_until(lambda: server.stats()["active"] == total, f"{total} active requests")
     return futures
 
 
 def _engine_iteration(server: RolloutServer) -> tuple[int, bool]:
     """The server's iteration count, and whether the engine thread asks."""
-    engine = threading.current_thread() is not threading.main_thread()
+    engine = threading.current_thread().name == "RolloutServer-engine"
     return server.stats()["iterations"], engine
 
 
@@ -120,7 +123,7 @@ def test_a_small_batch_and_enough_arrivals_are_admitted_at_once(qwen: torch.nn.M
         try:
             small = _busy(server, _BUSY - 1, stop)
             assert _lone_wait(server) <= 2  # beside fewer than _BUSY: no wait
-            big = _busy_more(server, stop)
+            big = _busy(server, 1, stop, seed=5)  # admitted at once: the batch is small
             before = server.stats()["admissions"]
             seen: list[tuple[int, int]] = []  # (iteration, active) at each admission
 
@@ -143,14 +146,6 @@ def test_a_small_batch_and_enough_arrivals_are_admitted_at_once(qwen: torch.nn.M
             stop.set()
         for f in [*small, *big]:
             f.exception(timeout=WAIT)
-
-
-def _busy_more(server: RolloutServer, stop: threading.Event) -> list[Future[Call]]:
-    """One more long request (admitted at once: the batch is still small), so that
-    ``_BUSY`` run."""
-    future = server.submit(prompts(1, server.vocab_size, seed=5)[0], LONG, stop=stop)
-    wait_until(lambda: server.stats()["active"] == _BUSY, f"{_BUSY} active requests")
-    return [future]
 
 
 def test_admit_wait_is_checked(qwen: torch.nn.Module) -> None:
