@@ -381,6 +381,7 @@ def _torchrun_train(tmp_path: Path, model_dir: Path, n: int, tensor: int) -> Non
     assert [r["step"] for r in records] == [1, 2, 3, 4]
 
 
+@pytest.mark.slow  # multi-process: the slow step (keeps `make test` in its budget)
 @pytest.mark.timeout(600)
 def test_dew_train_under_torchrun_shards_the_model(tmp_path: Path, model_dir: Path) -> None:
     _torchrun_train(tmp_path, model_dir, 2, 1)
@@ -400,6 +401,7 @@ def test_dew_train_refuses_a_mesh_without_torchrun(tmp_path: Path, model_dir: Pa
     assert not (tmp_path / "run").exists()
 
 
+@pytest.mark.slow  # multi-process: the slow step (keeps `make test` in its budget)
 @pytest.mark.timeout(300)
 def test_dew_train_on_a_keyed_server_sends_its_key_and_never_writes_it(
     tmp_path: Path, model_dir: Path

@@ -97,6 +97,7 @@ def _sizes(out: dict) -> tuple[float, float]:
     return sizes["params_local"] / total, sizes["optimizer_local"] / (2 * total)
 
 
+@pytest.mark.slow  # multi-process: the slow step (keeps `make test` in its budget)
 @pytest.mark.timeout(200)
 def test_two_processes_shard_the_model_and_match_one_process(tmp_path: Path) -> None:
     config = {"steps": STEPS, "global_tasks": 4}
