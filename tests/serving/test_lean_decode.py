@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from dew.demo.model import make_model
+from dew.serving import _decode
 from dew.serving._decode import lean_forward
 from dew.serving._kv import ModelCall, SlotCache
 from dew.serving._prefix import Row, forward_extend
@@ -54,6 +55,34 @@ def _decode_both(model: torch.nn.Module, steps: int) -> list[tuple[torch.Tensor,
 def test_lean_decode_matches_the_model_forward(arch: str) -> None:
     for lean, ref in _decode_both(lively(arch, 4), steps=6):
         assert torch.allclose(lean, ref, atol=1e-4, rtol=1e-4), (lean - ref).abs().max()
+
+
+def test_the_decode_step_runs_compiled() -> None:
+    assert isinstance(_decode._compiled_decode_step(), torch.jit.ScriptFunction)
+
+
+def test_the_uncompiled_step_computes_the_same(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The fallback is the compiled step's own source run by Python: same logits."""
+    model = lively("qwen2", 4)
+    compiled = _decode_both(model, steps=4)
+    monkeypatch.setattr(_decode, "_compiled_decode_step", lambda: _decode._decode_step)
+    assert ModelCall(model).lean is not None
+    plain = _decode_both(model, steps=4)
+    for (a, ref), (b, _) in zip(compiled, plain, strict=True):
+        assert torch.allclose(a, b, atol=1e-5, rtol=1e-5), (a - b).abs().max()
+        assert torch.allclose(b, ref, atol=1e-4, rtol=1e-4), (b - ref).abs().max()
+
+
+def test_a_step_torchscript_refuses_runs_uncompiled_with_a_warning(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    def refuse(fn: object) -> None:
+        raise RuntimeError("no source")
+
+    monkeypatch.setattr(torch.jit, "script", refuse)
+    with pytest.warns(RuntimeWarning, match="runs uncompiled.*no source"):
+        step = _decode._compiled_decode_step.__wrapped__()
+    assert step is _decode._decode_step
 
 
 def test_models_it_does_not_reproduce_are_left_to_their_own_forward() -> None:

@@ -95,18 +95,16 @@ class SlotCache:
         out[:s, :, :c] = t
         return out
 
-    def _allocate(self, like: torch.Tensor) -> None:
+    def _allocate(self, heads: int, dim: int, dtype: torch.dtype) -> None:
         # First forward: the model tells us kv heads, head dim and dtype.
-        _, heads, _, dim = like.shape
         self.slot_capacity = max(self.slot_capacity, self._want_slots)
         self.capacity = max(self.capacity, self._want_capacity)
         shape = (self.slot_capacity, heads, self.capacity, dim)
-        self.keys = [
-            torch.zeros(shape, dtype=like.dtype, device=self.device) for _ in range(self.layers)
-        ]
-        self.values = [
-            torch.zeros(shape, dtype=like.dtype, device=self.device) for _ in range(self.layers)
-        ]
+        self.keys = [self._zeros(shape, dtype) for _ in range(self.layers)]
+        self.values = [self._zeros(shape, dtype) for _ in range(self.layers)]
+
+    def _zeros(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        return torch.zeros(shape, dtype=dtype, device=self.device)
 
     def clear(self) -> None:
         """Drop all buffers (after a failed step their contents are unknown)."""
@@ -151,6 +149,20 @@ class SlotCache:
         self._decode = (n, self._slot_ids[:n], columns, width)
         self._prefill = self._span = None
 
+    def decode_buffers(
+        self, heads: int, dim: int, dtype: torch.dtype
+    ) -> tuple[list[torch.Tensor], list[torch.Tensor], torch.Tensor, torch.Tensor, int]:
+        """What a decode step set by :meth:`set_decode` writes and reads, for a forward
+        that does its own cache writes (the lean step): every layer's key and value
+        buffers, the slots ``0 .. n-1``, their columns [n] and the width attended over.
+        Allocates the buffers (``heads`` kv heads of ``dim``, ``dtype``) on first use."""
+        if self._decode is None:
+            raise RuntimeError("SlotCache.decode_buffers called outside a decode step")
+        if not self.keys:
+            self._allocate(heads, dim, dtype)
+        _, slot_ids, columns, width = self._decode
+        return self.keys, self.values, slot_ids, columns, width
+
     def move(self, src: list[int], dst: list[int], width: int) -> None:
         """Copy slots ``src`` onto slots ``dst`` (first ``width`` columns)."""
         if not src or not self.keys:
@@ -175,7 +187,8 @@ class SlotCache:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Called by each attention layer with its new keys/values ``[b, kv_heads, q, dim]``."""
         if not self.keys:
-            self._allocate(keys)
+            _, heads, _, dim = keys.shape
+            self._allocate(heads, dim, keys.dtype)
         kbuf, vbuf = self.keys[layer_idx], self.values[layer_idx]
         if self._prefill is not None:
             slots, cols, rows, src_cols = self._prefill
