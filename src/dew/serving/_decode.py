@@ -193,7 +193,7 @@ def lean_forward(model: torch.nn.Module) -> LeanForward | None:
     final = _norm(inner.norm)
     head_w, head_b = model.lm_head.weight, model.lm_head.bias
     inv_freq = rotary.inv_freq
-    kv_heads = int(layers[0][2][0].shape[0]) // head_dim
+    kv_heads = int(inner.layers[0].self_attn.k_proj.weight.shape[0]) // head_dim
     weights = [
         [ln1[0], ln2[0], *q_p, *k_p, *v_p, *o_p, *g_p, *u_p, *d_p]
         for ln1, q_p, k_p, v_p, o_p, ln2, g_p, u_p, d_p in layers

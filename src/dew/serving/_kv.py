@@ -100,11 +100,12 @@ class SlotCache:
         self.slot_capacity = max(self.slot_capacity, self._want_slots)
         self.capacity = max(self.capacity, self._want_capacity)
         shape = (self.slot_capacity, heads, self.capacity, dim)
-        self.keys = [self._zeros(shape, dtype) for _ in range(self.layers)]
-        self.values = [self._zeros(shape, dtype) for _ in range(self.layers)]
-
-    def _zeros(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-        return torch.zeros(shape, dtype=dtype, device=self.device)
+        self.keys = [
+            torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(self.layers)
+        ]
+        self.values = [
+            torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(self.layers)
+        ]
 
     def clear(self) -> None:
         """Drop all buffers (after a failed step their contents are unknown)."""
