@@ -57,15 +57,20 @@ def test_lean_decode_matches_the_model_forward(arch: str) -> None:
         assert torch.allclose(lean, ref, atol=1e-4, rtol=1e-4), (lean - ref).abs().max()
 
 
-def test_the_decode_step_runs_compiled() -> None:
-    assert isinstance(_decode._compiled_decode_step(), torch.jit.ScriptFunction)
+@pytest.mark.parametrize("step", [_decode._decode_step, _decode._prefill_step])
+def test_the_lean_forwards_run_compiled(step: object) -> None:
+    assert isinstance(_decode._compiled(step), torch.jit.ScriptFunction)
+
+
+def _uncompiled(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(_decode, "_compiled", lambda step: step)
 
 
 def test_the_uncompiled_step_computes_the_same(monkeypatch: pytest.MonkeyPatch) -> None:
     """The fallback is the compiled step's own source run by Python: same logits."""
     model = lively("qwen2", 4)
     compiled = _decode_both(model, steps=4)
-    monkeypatch.setattr(_decode, "_compiled_decode_step", lambda: _decode._decode_step)
+    _uncompiled(monkeypatch)
     assert ModelCall(model).lean is not None
     plain = _decode_both(model, steps=4)
     for (a, ref), (b, _) in zip(compiled, plain, strict=True):
@@ -80,9 +85,9 @@ def test_a_step_torchscript_refuses_runs_uncompiled_with_a_warning(
         raise RuntimeError("no source")
 
     monkeypatch.setattr(torch.jit, "script", refuse)
-    with pytest.warns(RuntimeWarning, match="runs uncompiled.*no source"):
-        step = _decode._compiled_decode_step.__wrapped__()
-    assert step is _decode._decode_step
+    for step in (_decode._decode_step, _decode._prefill_step):
+        with pytest.warns(RuntimeWarning, match=f"{step.__name__} runs uncompiled.*no source"):
+            assert _decode._compiled.__wrapped__(step) is step
 
 
 def test_models_it_does_not_reproduce_are_left_to_their_own_forward() -> None:
@@ -120,11 +125,17 @@ def _same_cache(a: SlotCache, b: SlotCache, slots: int, columns: int) -> None:
         assert torch.allclose(x, y, atol=1e-5, rtol=1e-4), (x - y).abs().max()
 
 
+@pytest.mark.parametrize("compiled", [True, False])
 @pytest.mark.parametrize("arch", ["qwen2", "llama"])
-def test_lean_prefill_matches_the_model_forward(arch: str) -> None:
+def test_lean_prefill_matches_the_model_forward(
+    arch: str, compiled: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """A ragged batch in one padded forward, then prompts that extend two of them
     (their prefixes copied in first), then decode steps over all of it: the lean
-    paths give the model forward's logits and leave the same keys/values behind."""
+    paths, compiled or not, give the model forward's logits and leave the same
+    keys/values behind."""
+    if not compiled:
+        _uncompiled(monkeypatch)
     model = lively(arch, 5)
     vocab = model.config.vocab_size
     batch = sorted(prompts(5, vocab, seed=7, low=2, high=15), key=len, reverse=True)

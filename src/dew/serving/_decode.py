@@ -19,11 +19,13 @@ padded ``[k, heads, T, d]`` layout just for the cache write and attention, which
 exactly the tensors the model's forward would give them (padded keys are zeros rather
 than projections of the pad token; no mask lets a real query see them).
 
-The decode step runs as one TorchScript function where ``torch.jit`` can compile it.
-Next to a training thread and an environment's worker threads, the eager step hands the
-interpreter lock over at each of its many small ops and waits to get it back; the
-compiled step runs its ops without coming back to Python. The plain function is the
-fallback, and it is the same source, so both compute the same thing.
+Both forwards run as TorchScript functions where ``torch.jit`` can compile them. Next
+to a training thread and an environment's worker threads, an eager forward hands the
+interpreter lock over at each of its many small ops and waits to get it back; a
+compiled one runs its ops without coming back to Python. Each writes its new keys and
+values into the cache's buffers itself (the graph cannot call back into the cache
+object). The plain functions are the fallback, and they are the same source, so both
+compute the same thing.
 
 Only models whose structure is known to match are accepted (:func:`lean_decode`
 returns ``None`` otherwise, and the engine calls the model itself): ``model_type``
@@ -119,27 +121,93 @@ def _decode_step(
     return F.linear(h, head_w, head_b).float()
 
 
+def _padded(x: torch.Tensor, flat: torch.Tensor, k: int, t: int, head_dim: int) -> torch.Tensor:
+    # [N, H, d] real tokens -> [k, H, T, d] with zeros at the padding
+    out = x.new_zeros([k * t, x.shape[1], head_dim])
+    out[flat] = x
+    return out.view(k, t, -1, head_dim).transpose(1, 2)
+
+
+def _prefill_step(
+    ids: torch.Tensor,
+    positions: torch.Tensor,
+    real: torch.Tensor,
+    mask: torch.Tensor,
+    keys: list[torch.Tensor],
+    values: list[torch.Tensor],
+    slots: torch.Tensor,
+    columns: torch.Tensor,
+    first: int,
+    span: int,
+    layers: list[list[Optional[torch.Tensor]]],  # noqa: UP045 (TorchScript)
+    eps: list[float],
+    shared: list[torch.Tensor],
+    head_b: Optional[torch.Tensor],  # noqa: UP045 (TorchScript)
+    head_dim: int,
+    groups: int,
+    scaling: float,
+) -> torch.Tensor:
+    # ids, positions, real [k, T] (left-padded: each row's last column is real); mask
+    # [k, 1, T, S]; slots, columns [N]: where each real token's key/value goes, in the
+    # row-major order of ``real``. span 0: a prefill, attending over the new tokens
+    # alone (S = T); else an extend, attending over the first ``span`` columns of slots
+    # ``first ..`` (S = span). layers, eps, shared as in _decode_step. Returns float
+    # logits [k, V] of each row's last token.
+    embed, inv_freq, final, head_w = shared[0], shared[1], shared[2], shared[3]
+    k, t = ids.shape[0], ids.shape[1]
+    flat = real.reshape(-1).nonzero().squeeze(1)  # [N] real positions in [k * T]
+    n = flat.shape[0]
+    h = F.embedding(ids.reshape(-1)[flat], embed)  # [N, D]
+    freqs = positions.reshape(-1)[flat].unsqueeze(1).float() * inv_freq.float()  # [N, d/2]
+    emb = torch.cat((freqs, freqs), dim=-1)
+    cos = emb.cos().to(h.dtype).unsqueeze(1)  # [N, 1, d]
+    sin = emb.sin().to(h.dtype).unsqueeze(1)
+    for i in range(len(layers)):
+        w = layers[i]
+        x = _rms(h, _some(w[0]), eps[2 * i])
+        q = _rotate(F.linear(x, _some(w[2]), w[3]).view(n, -1, head_dim), cos, sin)  # [N, Hq, d]
+        key = _rotate(F.linear(x, _some(w[4]), w[5]).view(n, -1, head_dim), cos, sin)  # [N, Hkv, d]
+        value = F.linear(x, _some(w[6]), w[7]).view(n, -1, head_dim)
+        kbuf, vbuf = keys[i], values[i]
+        kbuf[slots, :, columns] = key
+        vbuf[slots, :, columns] = value
+        if span > 0:
+            kk, vv = kbuf[first : first + k, :, :span], vbuf[first : first + k, :, :span]
+        else:
+            kk, vv = _padded(key, flat, k, t, head_dim), _padded(value, flat, k, t, head_dim)
+        if groups > 1:  # as transformers does under a mask: repeat each kv head
+            kk = kk.repeat_interleave(groups, dim=1)  # [k, Hq, S, d]
+            vv = vv.repeat_interleave(groups, dim=1)
+        o = F.scaled_dot_product_attention(
+            _padded(q, flat, k, t, head_dim), kk, vv, attn_mask=mask, scale=scaling
+        )  # [k, Hq, T, d]
+        o = o.transpose(1, 2).reshape(k * t, -1)[flat]  # [N, Hq*d]
+        h = h + F.linear(o, _some(w[8]), w[9])
+        x = _rms(h, _some(w[1]), eps[2 * i + 1])
+        gate = F.silu(F.linear(x, _some(w[10]), w[11]))
+        h = h + F.linear(gate * F.linear(x, _some(w[12]), w[13]), _some(w[14]), w[15])
+    last = real.sum(1).cumsum(0) - 1  # [k] each row's last token in [N]
+    h = _rms(h[last], final, eps[-1])  # [k, D]
+    return F.linear(h, head_w, head_b).float()
+
+
 @functools.cache
-def _compiled_decode_step() -> Callable[..., torch.Tensor]:
-    """The decode step compiled by TorchScript, or (with a warning saying why) the plain
-    function where it cannot be: no source to read, or a torch that dropped ``torch.jit``."""
+def _compiled(step: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+    """``step`` compiled by TorchScript, or (with a warning saying why) ``step`` itself
+    where it cannot be: no source to read, or a torch that dropped ``torch.jit``."""
     try:
         with warnings.catch_warnings():
             # torch marks torch.jit deprecated; nothing else runs a graph of small CPU ops
             # without a trip through Python per op and without a compiler toolchain.
             warnings.simplefilter("ignore", DeprecationWarning)
-            return torch.jit.script(_decode_step)
+            return torch.jit.script(step)
     except Exception as exc:
         warnings.warn(
-            f"the lean decode step runs uncompiled (TorchScript refused it: {exc!r:.200})",
+            f"the lean {step.__name__} runs uncompiled (TorchScript refused it: {exc!r:.200})",
             RuntimeWarning,
             stacklevel=2,
         )
-        return _decode_step
-
-
-def _norm(module: Any) -> tuple[torch.Tensor, float]:
-    return module.weight, float(module.variance_epsilon)
+        return step
 
 
 class LeanForward(NamedTuple):
@@ -170,37 +238,26 @@ def lean_forward(model: torch.nn.Module) -> LeanForward | None:
         return None
     if not supported:
         return None
-    layers = []
+    # Per layer the 16 tensors the steps index (see _decode_step), and the norms' eps.
+    weights: list[list[torch.Tensor | None]] = []
+    eps: list[float] = []
     for layer in inner.layers[: config.num_hidden_layers]:
         attn, mlp = layer.self_attn, layer.mlp
-        layers.append(
-            (
-                _norm(layer.input_layernorm),
-                (attn.q_proj.weight, attn.q_proj.bias),
-                (attn.k_proj.weight, attn.k_proj.bias),
-                (attn.v_proj.weight, attn.v_proj.bias),
-                (attn.o_proj.weight, attn.o_proj.bias),
-                _norm(layer.post_attention_layernorm),
-                (mlp.gate_proj.weight, mlp.gate_proj.bias),
-                (mlp.up_proj.weight, mlp.up_proj.bias),
-                (mlp.down_proj.weight, mlp.down_proj.bias),
-            )
-        )
+        linears = (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj)
+        linears += (mlp.gate_proj, mlp.up_proj, mlp.down_proj)
+        norms = (layer.input_layernorm, layer.post_attention_layernorm)
+        weights.append([m.weight for m in norms] + [t for m in linears for t in (m.weight, m.bias)])
+        eps += [float(m.variance_epsilon) for m in norms]
     head_dim = int(inner.layers[0].self_attn.head_dim)
     groups = int(inner.layers[0].self_attn.num_key_value_groups)
     scaling = float(inner.layers[0].self_attn.scaling)
     embed = inner.embed_tokens.weight
-    final = _norm(inner.norm)
     head_w, head_b = model.lm_head.weight, model.lm_head.bias
     inv_freq = rotary.inv_freq
     kv_heads = int(inner.layers[0].self_attn.k_proj.weight.shape[0]) // head_dim
-    weights = [
-        [ln1[0], ln2[0], *q_p, *k_p, *v_p, *o_p, *g_p, *u_p, *d_p]
-        for ln1, q_p, k_p, v_p, o_p, ln2, g_p, u_p, d_p in layers
-    ]
-    eps = [e for layer in layers for e in (layer[0][1], layer[5][1])] + [final[1]]
-    shared = [embed, inv_freq, final[0], head_w]
-    run_step = _compiled_decode_step()
+    eps.append(float(inner.norm.variance_epsilon))
+    shared = [embed, inv_freq, inner.norm.weight, head_w]
+    run_step, run_prefill = _compiled(_decode_step), _compiled(_prefill_step)
 
     def step(
         ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor, cache: Any
@@ -212,12 +269,6 @@ def lean_forward(model: torch.nn.Module) -> LeanForward | None:
             weights, eps, shared, head_b, head_dim, groups, scaling,
         )  # fmt: skip
 
-    def padded(x: torch.Tensor, flat: torch.Tensor, k: int, t: int) -> torch.Tensor:
-        # [N, H, d] real tokens -> [k, H, T, d] with zeros at the padding
-        out = x.new_zeros(k * t, x.shape[1], head_dim)
-        out[flat] = x
-        return out.view(k, t, -1, head_dim).transpose(1, 2)
-
     def prefill(
         ids: torch.Tensor,
         positions: torch.Tensor,
@@ -225,36 +276,13 @@ def lean_forward(model: torch.nn.Module) -> LeanForward | None:
         mask: torch.Tensor,
         cache: Any,
     ) -> torch.Tensor:
-        # ids, positions, real [k, T] (left-padded: each row's last column is real);
-        # mask [k, 1, T, S]; returns float logits [k, V] of each row's last token
-        k, t = ids.shape
-        flat = real.reshape(-1).nonzero().squeeze(1)  # [N] real positions in [k * T]
-        n = flat.shape[0]
-        h = F.embedding(ids.reshape(-1)[flat], embed)  # [N, D]
-        freqs = positions.reshape(-1)[flat, None].float() * inv_freq.float()  # [N, d/2]
-        emb = torch.cat((freqs, freqs), dim=-1)
-        cos = emb.cos().to(h.dtype).unsqueeze(1)  # [N, 1, d]
-        sin = emb.sin().to(h.dtype).unsqueeze(1)
-        for i, (ln1, q_p, k_p, v_p, o_p, ln2, g_p, u_p, d_p) in enumerate(layers):
-            x = _rms(h, *ln1)
-            q = _rotate(F.linear(x, *q_p).view(n, -1, head_dim), cos, sin)  # [N, Hq, d]
-            key = _rotate(F.linear(x, *k_p).view(n, -1, head_dim), cos, sin)  # [N, Hkv, d]
-            value = F.linear(x, *v_p).view(n, -1, head_dim)
-            keys, values = cache.update(
-                padded(key, flat, k, t), padded(value, flat, k, t), i
-            )  # [k, Hkv, S, d]
-            if groups > 1:  # as transformers does under a mask: repeat each kv head
-                keys = keys.repeat_interleave(groups, dim=1)  # [k, Hq, S, d]
-                values = values.repeat_interleave(groups, dim=1)
-            o = F.scaled_dot_product_attention(
-                padded(q, flat, k, t), keys, values, attn_mask=mask, scale=scaling
-            )  # [k, Hq, T, d]
-            o = o.transpose(1, 2).reshape(k * t, -1)[flat]  # [N, Hq*d]
-            h = h + F.linear(o, *o_p)
-            x = _rms(h, *ln2)
-            h = h + F.linear(F.silu(F.linear(x, *g_p)) * F.linear(x, *u_p), *d_p)
-        last = real.sum(1).cumsum(0) - 1  # [k] each row's last token in [N]
-        h = _rms(h[last], *final)  # [k, D]
-        return F.linear(h, head_w, head_b).float()
+        # ids, positions, real [k, T]; mask [k, 1, T, S]; returns float logits [k, V]
+        keys, values, slots, columns, first, span = cache.prefill_buffers(
+            kv_heads, head_dim, embed.dtype
+        )
+        return run_prefill(
+            ids, positions, real, mask, keys, values, slots, columns, first, span,
+            weights, eps, shared, head_b, head_dim, groups, scaling,
+        )  # fmt: skip
 
     return LeanForward(step, prefill)

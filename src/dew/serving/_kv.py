@@ -164,6 +164,23 @@ class SlotCache:
         _, slot_ids, columns, width = self._decode
         return self.keys, self.values, slot_ids, columns, width
 
+    def prefill_buffers(
+        self, heads: int, dim: int, dtype: torch.dtype
+    ) -> tuple[list[torch.Tensor], list[torch.Tensor], torch.Tensor, torch.Tensor, int, int]:
+        """What a prefill or extend set by :meth:`set_prefill` / :meth:`set_extend` writes
+        and reads, for a forward that does its own cache writes (the lean prefill): every
+        layer's key and value buffers, the slot and column [N] of each real token (in
+        the row-major order of the padded batch), and for an extend its first slot and
+        the columns attended over (``0, 0`` for a prefill, which attends over the new
+        tokens alone). Allocates the buffers on first use, as :meth:`decode_buffers`."""
+        if self._prefill is None:
+            raise RuntimeError("SlotCache.prefill_buffers called outside a prefill")
+        if not self.keys:
+            self._allocate(heads, dim, dtype)
+        slots, cols = self._prefill[0], self._prefill[1]
+        first, _, span = self._span if self._span is not None else (0, 0, 0)
+        return self.keys, self.values, slots, cols, first, span
+
     def move(self, src: list[int], dst: list[int], width: int) -> None:
         """Copy slots ``src`` onto slots ``dst`` (first ``width`` columns)."""
         if not src or not self.keys:
