@@ -210,9 +210,10 @@ def test_the_server_owns_a_copy(qwen: torch.nn.Module) -> None:
 
 BAD = [
     ({"prompt": []}, "prompt is empty"),
-    ({"prompt": [1, 2, 10_000]}, "outside the vocabulary"),
+    ({"prompt": [1, 2, 10_000]}, r"prompt\[2\] = 10000 is outside the vocabulary"),
     ({"prompt": [-1]}, "outside the vocabulary"),
     ({"prompt": [1.5]}, "must be an int"),
+    ({"prompt": [3, True]}, r"prompt\[1\] must be an int"),
     ({"prompt": "abc"}, "sequence of token ids"),
     ({"max_tokens": 0}, "max_tokens must be >= 1"),
     ({"max_tokens": 5000}, "exceeds max_len"),
@@ -318,3 +319,15 @@ def test_a_request_whose_logits_overflow_fails_alone_and_its_batch_stays_exact(
     for call in [*calls, after]:
         want, _ = _reference_log_probs(qwen, call, 0.8, None, None)
         assert call.log_probs == pytest.approx(want, abs=2e-4)
+
+
+@pytest.mark.timeout(120)
+def test_prompts_of_numpy_or_tensor_ids_are_served_as_the_same_ints(server: RolloutServer) -> None:
+    import numpy as np
+
+    greedy = SamplingParams(max_tokens=4, temperature=0, stop_ids=())
+    want = server.generate([3, 4, 5], greedy)
+    for prompt in (np.array([3, 4, 5]), torch.tensor([3, 4, 5]), [np.int64(3), 4, np.int32(5)]):
+        got = server.generate(prompt, greedy)  # type: ignore[arg-type]
+        assert got.prompt == want.prompt and all(type(t) is int for t in got.prompt)
+        assert got.completion == want.completion

@@ -257,8 +257,9 @@ def make_tail_task(
 
         tokenizer = make_tokenizer()
 
-    def encode(text: str) -> list[int]:
-        return [int(t) for t in tokenizer(text, add_special_tokens=False)["input_ids"]]
+    from dew.objectives.rl.sources.chat import text_encoder
+
+    encode = text_encoder(tokenizer)
 
     texts, turns = [], []
     for i in range(n):

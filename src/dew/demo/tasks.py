@@ -98,8 +98,9 @@ def make_task(
         tokenizer = make_tokenizer()
     texts = make_prompts(n, seed=seed, min_digits=min_digits, max_digits=max_digits)
 
-    def encode(text: str) -> list[int]:
-        return [int(t) for t in tokenizer(text, add_special_tokens=False)["input_ids"]]
+    from dew.objectives.rl.sources.chat import text_encoder
+
+    encode = text_encoder(tokenizer)
 
     prompts = [encode(t + "=") for t in texts]
     answers = [encode(t) for t in texts]

@@ -101,6 +101,8 @@ class Load:
 
 
 def _check_ids(ids: list[int], name: str, vocab: int) -> None:
+    if not ids or (min(ids) >= 0 and max(ids) < vocab):  # the usual case, without a loop
+        return
     for i, t in enumerate(ids):
         if not 0 <= t < vocab:
             raise ValueError(f"{name}[{i}] = {t} is outside the vocabulary [0, {vocab})")
@@ -126,7 +128,9 @@ def make_request(
     items = prompt.tolist() if hasattr(prompt, "tolist") else prompt
     if isinstance(items, (str, bytes)) or not isinstance(items, Sequence):
         raise ValueError(f"prompt must be a sequence of token ids, got {type(prompt).__name__}")
-    ids = [as_int(t, f"prompt[{i}]") for i, t in enumerate(items)]
+    ids = list(items)
+    if not all(type(t) is int for t in ids):  # numpy ints, or an entry to name
+        ids = [as_int(t, f"prompt[{i}]") for i, t in enumerate(ids)]
     if not ids:
         raise ValueError("prompt is empty; it needs at least one token id")
     _check_ids(ids, "prompt", vocab)

@@ -15,6 +15,7 @@ from dew.demo.guess import make_env
 from dew.demo.model import make_model, make_tokenizer
 from dew.objectives.rl.chains import chains, merge_ratio
 from dew.objectives.rl.sources import AgentError, ChatTokens, Environment, EnvironmentSource
+from dew.objectives.rl.sources.chat import text_encoder
 from dew.serving import RolloutServer
 
 TOK = make_tokenizer()
@@ -134,6 +135,21 @@ def test_incremental_chat_tokens_equal_the_full_template() -> None:
     # A reply cut before its stop token gets the whole end-of-turn text.
     cut = TOK("5", add_special_tokens=False)["input_ids"]
     assert prompt + cut + chat.after_reply("5", False, new) == list(want["input_ids"])
+
+
+@pytest.mark.parametrize(
+    "text", ["", "5", "12=34", "<|im_end|>\n<|im_start|>user\nhigher", "héllo wörld ✓ 0"]
+)
+def test_the_text_encoder_gives_the_tokenizer_call_s_ids(text: str) -> None:
+    want = list(TOK(text, add_special_tokens=False)["input_ids"])
+    assert text_encoder(TOK)(text) == want
+
+    class Wrapped:  # no Rust tokenizer to call: the tokenizer call itself
+        def __call__(self, text: str, add_special_tokens: bool) -> dict[str, list[int]]:
+            assert add_special_tokens is False
+            return TOK(text, add_special_tokens=False)
+
+    assert text_encoder(Wrapped())(text) == want
 
 
 def test_templates_that_cannot_be_extended_are_refused() -> None:

@@ -17,12 +17,12 @@ A template that rewrites earlier turns is refused with a clear error.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from dew.core import SamplingParams, error_text
 
-__all__ = ["ChatTokens", "resolve_stop_ids"]
+__all__ = ["ChatTokens", "resolve_stop_ids", "text_encoder"]
 
 
 _MARK = "\x00dew-marker\x00"
@@ -43,11 +43,15 @@ def resolve_stop_ids(sampling: SamplingParams, tokenizer: Any) -> SamplingParams
     return dataclasses.replace(sampling, stop_ids=ids)
 
 
-def _ids(encoded: Any) -> list[int]:
-    # transformers 5 returns a BatchEncoding from apply_chat_template(tokenize=True).
-    if isinstance(encoded, Mapping):
-        encoded = encoded["input_ids"]
-    return [int(t) for t in encoded]
+def text_encoder(tokenizer: Any) -> Callable[[str], list[int]]:
+    """``text -> token ids``, no special tokens added: the ids ``tokenizer(text,
+    add_special_tokens=False)`` gives. A fast tokenizer's Rust tokenizer is called
+    directly: the same ids without the Python wrapper's cost, which a source's worker
+    threads would otherwise pay at every turn while holding the interpreter lock."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is not None and callable(getattr(backend, "encode", None)):
+        return lambda text: backend.encode(text, add_special_tokens=False).ids
+    return lambda text: [int(t) for t in tokenizer(text, add_special_tokens=False)["input_ids"]]
 
 
 class ChatTokens:
@@ -57,6 +61,7 @@ class ChatTokens:
         if not getattr(tokenizer, "chat_template", None):
             raise ValueError("the tokenizer has no chat template; chat prompts need one")
         self.tokenizer = tokenizer
+        self._encode = text_encoder(tokenizer)
         system = [{"role": "system", "content": "anchor"}]
         try:
             anchor = self._render(system, generation=False)
@@ -78,16 +83,11 @@ class ChatTokens:
             [dict(m) for m in messages], add_generation_prompt=generation, tokenize=False
         )
 
-    def _encode(self, text: str) -> list[int]:
-        return _ids(self.tokenizer(text, add_special_tokens=False)["input_ids"])
-
     def first(self, messages: Sequence[Mapping[str, Any]]) -> list[int]:
-        """Token ids of ``messages`` followed by the generation prompt."""
-        return _ids(
-            self.tokenizer.apply_chat_template(
-                [dict(m) for m in messages], add_generation_prompt=True, tokenize=True
-            )
-        )
+        """Token ids of ``messages`` followed by the generation prompt (what
+        ``apply_chat_template(..., tokenize=True)`` gives: the rendered text, encoded
+        without special tokens added)."""
+        return self._encode(self._render(messages, generation=True))
 
     def after_reply(
         self, completion_text: str, stopped: bool, messages: Sequence[Mapping[str, Any]]
