@@ -27,7 +27,7 @@ values into the cache's buffers itself (the graph cannot call back into the cach
 object). The plain functions are the fallback, and they are the same source, so both
 compute the same thing.
 
-Only models whose structure is known to match are accepted (:func:`lean_decode`
+Only models whose structure is known to match are accepted (:func:`lean_forward`
 returns ``None`` otherwise, and the engine calls the model itself): ``model_type``
 llama or qwen2, ``sdpa`` attention, default rotary embedding without scaling, SiLU
 activation. The weights are held by reference: the engine's loads copy into the same
