@@ -65,6 +65,29 @@ def _some(t: Optional[torch.Tensor]) -> torch.Tensor:  # noqa: UP045 (TorchScrip
     return t
 
 
+def _rotary(
+    positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    # positions [...] -> cos, sin [..., 1, d]: one axis for the heads to broadcast over
+    freqs = positions.unsqueeze(-1).float() * inv_freq.float()  # [..., d/2]
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos().to(dtype).unsqueeze(-2), emb.sin().to(dtype).unsqueeze(-2)
+
+
+def _output_and_mlp(
+    h: torch.Tensor,
+    o: torch.Tensor,
+    w: list[Optional[torch.Tensor]],  # noqa: UP045 (TorchScript)
+    eps: float,
+) -> torch.Tensor:
+    # The rest of a layer after attention: the output projection of ``o`` and the
+    # SiLU-gated MLP, each added to the residual ``h`` (w: the layer's 16 tensors).
+    h = h + F.linear(o, _some(w[8]), w[9])
+    x = _rms(h, _some(w[1]), eps)
+    gate = F.silu(F.linear(x, _some(w[10]), w[11]))
+    return h + F.linear(gate * F.linear(x, _some(w[12]), w[13]), _some(w[14]), w[15])
+
+
 def _decode_step(
     ids: torch.Tensor,
     positions: torch.Tensor,
@@ -93,10 +116,7 @@ def _decode_step(
     embed, inv_freq, final, head_w = shared[0], shared[1], shared[2], shared[3]
     n = ids.shape[0]
     h = F.embedding(ids, embed)  # [n, 1, D]
-    freqs = positions.unsqueeze(-1).float() * inv_freq.float()  # [n, 1, d/2]
-    emb = torch.cat((freqs, freqs), dim=-1)
-    cos = emb.cos().to(h.dtype).unsqueeze(1)  # [n, 1, 1, d]
-    sin = emb.sin().to(h.dtype).unsqueeze(1)
+    cos, sin = _rotary(positions, inv_freq, h.dtype)  # [n, 1, 1, d]
     for i in range(len(layers)):
         w = layers[i]
         x = _rms(h, _some(w[0]), eps[2 * i])
@@ -113,10 +133,7 @@ def _decode_step(
             q, kbuf[:n, :, :width], vbuf[:n, :, :width], attn_mask=mask, scale=scaling
         )
         o = o.reshape(n, -1, 1, head_dim).transpose(1, 2).reshape(n, 1, -1)  # [n, 1, Hq*d]
-        h = h + F.linear(o, _some(w[8]), w[9])
-        x = _rms(h, _some(w[1]), eps[2 * i + 1])
-        gate = F.silu(F.linear(x, _some(w[10]), w[11]))
-        h = h + F.linear(gate * F.linear(x, _some(w[12]), w[13]), _some(w[14]), w[15])
+        h = _output_and_mlp(h, o, w, eps[2 * i + 1])
     h = _rms(h[:, -1], final, eps[-1])  # [n, D]
     return F.linear(h, head_w, head_b).float()
 
@@ -158,10 +175,7 @@ def _prefill_step(
     flat = real.reshape(-1).nonzero().squeeze(1)  # [N] real positions in [k * T]
     n = flat.shape[0]
     h = F.embedding(ids.reshape(-1)[flat], embed)  # [N, D]
-    freqs = positions.reshape(-1)[flat].unsqueeze(1).float() * inv_freq.float()  # [N, d/2]
-    emb = torch.cat((freqs, freqs), dim=-1)
-    cos = emb.cos().to(h.dtype).unsqueeze(1)  # [N, 1, d]
-    sin = emb.sin().to(h.dtype).unsqueeze(1)
+    cos, sin = _rotary(positions.reshape(-1)[flat], inv_freq, h.dtype)  # [N, 1, d]
     for i in range(len(layers)):
         w = layers[i]
         x = _rms(h, _some(w[0]), eps[2 * i])
@@ -182,10 +196,7 @@ def _prefill_step(
             _padded(q, flat, k, t, head_dim), kk, vv, attn_mask=mask, scale=scaling
         )  # [k, Hq, T, d]
         o = o.transpose(1, 2).reshape(k * t, -1)[flat]  # [N, Hq*d]
-        h = h + F.linear(o, _some(w[8]), w[9])
-        x = _rms(h, _some(w[1]), eps[2 * i + 1])
-        gate = F.silu(F.linear(x, _some(w[10]), w[11]))
-        h = h + F.linear(gate * F.linear(x, _some(w[12]), w[13]), _some(w[14]), w[15])
+        h = _output_and_mlp(h, o, w, eps[2 * i + 1])
     last = real.sum(1).cumsum(0) - 1  # [k] each row's last token in [N]
     h = _rms(h[last], final, eps[-1])  # [k, D]
     return F.linear(h, head_w, head_b).float()
