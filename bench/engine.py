@@ -67,6 +67,15 @@ def _prompts(count: int, vocab: int, seed: int, short: int, long: int) -> list[l
     return [torch.randint(6, vocab, (n,), generator=g).tolist() for n in lens]
 
 
+def _warm_up_prompts(prompts: list[list[int]], vocab: int) -> list[list[int]]:
+    """Prompts of the same lengths that share no prefix with ``prompts``: each starts with
+    a token none of them starts with. The server keeps finished requests' keys/values
+    for later prompts that extend them, so a warm-up on the timed prompts themselves
+    would leave the timed batch almost nothing to compute."""
+    lead = min(set(range(6, vocab)) - {p[0] for p in prompts})  # a batch under vocab - 6
+    return [[lead, *p[1:]] for p in prompts]
+
+
 def _hf_generate(model: torch.nn.Module, prompts: list[list[int]], new: int) -> int:
     width = max(map(len, prompts))
     ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts])  # [b, T] left-padded
@@ -158,10 +167,11 @@ def _hf_run(model: torch.nn.Module, prompts: list[list[int]], new: int) -> float
 
 
 def _server_run(model: torch.nn.Module, prompts: list[list[int]], new: int, seed: int) -> float:
-    """tokens/s of one timed static batch on a fresh server after a warm-up batch."""
+    """tokens/s of one timed static batch on a fresh server after a warm-up batch of
+    other prompts."""
     server = _in_thread(lambda: RolloutServer(model, max_batch=len(prompts), seed=seed))
     with server:
-        _server_generate(server, prompts, new)
+        _server_generate(server, _warm_up_prompts(prompts, model.config.vocab_size), new)
         tokens, seconds = _server_generate(server, prompts, new)
     return tokens / seconds
 
@@ -207,12 +217,13 @@ def _server_lengths(
     share: bool = True,
 ) -> tuple[float, int, int]:
     """(tokens/s, prompt tokens computed, served) of one timed batch on a fresh server,
-    after a warm-up batch."""
+    after a warm-up batch of other prompts."""
     server = _in_thread(
         lambda: RolloutServer(model, max_batch=len(prompts), seed=seed, share_prefixes=share)
     )
     with server:
-        _submit_all(server, prompts, lengths, groups)
+        warm = _warm_up_prompts(prompts, model.config.vocab_size)
+        _submit_all(server, warm, lengths, groups)
         before = server.stats()
         tokens, seconds = _submit_all(server, prompts, lengths, groups)
         after = server.stats()
@@ -280,26 +291,27 @@ def _cell(rates: list[float]) -> str:
 def latency(size: str, long: int, long_tokens: int, seed: int) -> tuple[float, float, float]:
     """(short alone s, short beside long ones s, long batch s)."""
     model = _in_thread(lambda: make_model("qwen2", size, seed=seed))
-    prompts = _prompts(long + 1, model.config.vocab_size, seed, 8, 24)
+    # the long requests, then three short prompts: a warm-up and one for each timing, so
+    # no timed prompt is served from the keys/values an earlier request left behind
+    prompts = _prompts(long + 3, model.config.vocab_size, seed, 8, 24)
+    warm, short, short_beside = prompts[long:]
     short_tokens = 8
     with _in_thread(lambda: RolloutServer(model, max_batch=long + 1, seed=seed)) as server:
-        server.generate(
-            prompts[-1], SamplingParams(max_tokens=short_tokens, stop_ids=())
-        )  # warm-up
+        server.generate(warm, SamplingParams(max_tokens=short_tokens, stop_ids=()))
         t0 = time.perf_counter()
-        server.generate(prompts[-1], SamplingParams(max_tokens=short_tokens, stop_ids=()))
+        server.generate(short, SamplingParams(max_tokens=short_tokens, stop_ids=()))
         alone = time.perf_counter() - t0
 
         t0 = time.perf_counter()
         long_params = SamplingParams(max_tokens=long_tokens, stop_ids=())
-        futures = [server.submit(p, long_params) for p in prompts[:-1]]
+        futures = [server.submit(p, long_params) for p in prompts[:long]]
         deadline = time.monotonic() + 120
         while server.stats()["active"] < long:  # wait until every long request decodes
             if time.monotonic() > deadline:
                 raise RuntimeError("long requests never became active")
             time.sleep(0.001)
         s0 = time.perf_counter()
-        server.generate(prompts[-1], SamplingParams(max_tokens=short_tokens, stop_ids=()))
+        server.generate(short_beside, SamplingParams(max_tokens=short_tokens, stop_ids=()))
         beside = time.perf_counter() - s0
         for f in futures:
             f.result()
