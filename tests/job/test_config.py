@@ -79,6 +79,10 @@ clip_high = 0.28
     assert config.grpo_objective(reference=object()).kl_coef == 0.0
     kl = load_config(write(tmp_path, text), ["--objective.kl_coef", "0.1"])
     assert kl.grpo_objective(reference=object()).kl_coef == 0.1
+    # a rule's name, from the file or the command line, and a plain true
+    for value, rule in (("negative", "negative"), ("true", "both")):
+        side = load_config(write(tmp_path, text), ["--objective.clip_behavior", value])
+        assert side.grpo_objective().clip_behavior == rule
     assert config.scheduler_config() == SchedulerConfig(
         groups=16,
         ahead=2,
@@ -238,6 +242,11 @@ def test_overrides_keep_their_types_and_reach_any_field(tmp_path: Path) -> None:
         (("[output]", "[engine]\ntakeover = true\n[output]"), r"takeover is for servers at urls"),
         (("[output]", '[scheduler]\nestimator = "best"\n[output]'), r"scheduler.estimator: "),
         (("[output]", "[objective]\nclip = -1.0\n[output]"), r"objective.clip: "),
+        (
+            ("[output]", '[objective]\nclip_behavior = "positive"\n[output]'),
+            r"objective.clip_behavior: Input should be a valid boolean, or input should be "
+            r"'both' or 'negative' \(got 'positive'\)$",
+        ),
     ],
 )
 def test_every_problem_names_its_field(

@@ -86,7 +86,8 @@ class DemoConfig:
     # The behavior weight's rule and bound (None: GRPOObjective's defaults).
     importance: str | None = None
     importance_cap: float | None = None
-    clip_behavior: bool = False  # GRPOObjective's: also clip against the behavior policy
+    # GRPOObjective's: also clip against the behavior policy (True, or a rule's name)
+    clip_behavior: bool | str = False
     # fit takes one update per batch, so the loss's own forward gives the proximal
     # log-probs exactly and the rescoring forward is skipped (GRPOObjective's docstring).
     proximal: str = "forward"
@@ -235,7 +236,10 @@ TASK_DEFAULTS: dict[str, dict[str, Any]] = {
     # low cap takes most of their correction away. The behavior clip keeps stale batches
     # from pushing the stop token's probability past where the policy already took it,
     # which otherwise swings the answer lengths from batch to batch (bench/RESULTS.md,
-    # "async steps").
+    # "async steps"). On the multi-turn variant it acts on the negative side only: a
+    # token that rose since sampling is one the policy is learning, and holding it back
+    # cost that variant steps (bench/RESULTS.md, profile item 40); the single-turn
+    # variant was not measured with it.
     "tail": {
         "steps": 200,
         "lr": 1e-3,
@@ -253,7 +257,7 @@ TASK_DEFAULTS: dict[str, dict[str, Any]] = {
         "estimator": "group_std",
         "clip_high": 0.28,
         "importance_cap": 10.0,
-        "clip_behavior": True,
+        "clip_behavior": "negative",
         "truncation": "score",
     },
 }

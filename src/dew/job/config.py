@@ -434,10 +434,13 @@ def check(raw: Mapping[str, Any], where: str = "config") -> JobConfig:
         # As JSON: strict types, with TOML arrays taken for tuples.
         config = JobConfig.model_validate_json(json.dumps(raw, default=str))
     except ValidationError as exc:
-        first = exc.errors()[0]
-        field = ".".join(str(p) for p in first["loc"])  # empty: a check across sections
+        errors = exc.errors()
+        loc = _field_loc(errors[0]["loc"])
+        field = ".".join(str(p) for p in loc)  # empty: a check across sections
         named = f"{field}: " if field else ""
-        raise ConfigError(f"{where}: {named}{_message(first)}") from None
+        # a union reports once per member it tried: one line for the field
+        alike = [e for e in errors if _field_loc(e["loc"]) == loc]
+        raise ConfigError(f"{where}: {named}{_message(*alike)}") from None
     for section, build in (
         ("sampling", config.sampling_params),
         ("scheduler", config.scheduler_config),
@@ -531,13 +534,52 @@ def _section_model(annotation: Any) -> type[BaseModel] | None:
     return None
 
 
-def _message(error: Mapping[str, Any]) -> str:
+def _message(error: Mapping[str, Any], *alternatives: Mapping[str, Any]) -> str:
+    """One error's line; with ``alternatives`` (the other members of a union), theirs
+    joined by "or"."""
     if error["type"] == "missing":
         return "required, but missing"
-    text = str(error["msg"]).removeprefix("Value error, ")
+    errors = (error, *alternatives)
+    texts = dict.fromkeys(str(e["msg"]).removeprefix("Value error, ") for e in errors)
+    first, *others = texts
+    text = "".join([first, *(f", or {t[:1].lower()}{t[1:]}" for t in others)])
     if "input" in error:
         text += f" (got {error['input']!r})"
     return text
+
+
+def _field_loc(loc: Sequence[int | str]) -> tuple[int | str, ...]:
+    """``loc`` of a validation error without the tags pydantic adds for the member of a
+    union it tried (``bool``, ``literal[...]``): the parts that name a field or an item."""
+    at: Any = JobConfig  # the model the next part is a field of, else the field's type
+    kept: list[int | str] = []
+    for part in loc:
+        fields = getattr(at, "model_fields", None)
+        if isinstance(part, int) or (fields is None and _is_mapping(at)):
+            kept.append(part)  # an item of a list, or a key of a table
+        elif fields is not None and part in fields:
+            kept.append(part)
+            annotation = fields[part].annotation
+            at = _model_in(annotation) or annotation
+    return tuple(kept)
+
+
+def _is_mapping(annotation: Any) -> bool:
+    return any(
+        typing.get_origin(a) in (dict, Mapping) or a in (dict, Mapping)
+        for a in (annotation, *typing.get_args(annotation))
+    )
+
+
+def _model_in(annotation: Any) -> Any:
+    """The pydantic model an annotation holds (itself, or inside a union, tuple or
+    list), or None."""
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return annotation
+    for arg in typing.get_args(annotation):
+        if (found := _model_in(arg)) is not None:
+            return found
+    return None
 
 
 def _toml(data: Mapping[str, Any], prefix: str = "") -> str:

@@ -655,7 +655,10 @@ def test_importance_sequence_weighs_each_packed_chain_by_its_product() -> None:
     assert abs(float(got) - float(truncated)) > 1e-4
 
 
-def test_clip_behavior_stops_the_tokens_that_moved_past_the_band_since_sampling() -> None:
+@pytest.mark.parametrize("rule", [True, "both", "negative"])
+def test_clip_behavior_stops_the_tokens_that_moved_past_the_band_since_sampling(
+    rule: bool | str,
+) -> None:
     model, batch, current, cells = _at_current_weights(seed=14)
     # r = 1, so pi_theta / pi_behavior is the behavior weight w: e^0.4 (past 1 + 0.28),
     # e^-0.4 (under 1 - 0.2) and e^0.1 (inside the band)
@@ -663,13 +666,18 @@ def test_clip_behavior_stops_the_tokens_that_moved_past_the_band_since_sampling(
     batch["behavior_log_probs"] = (current - log_w).astype(np.float32)
     batch["advantages"] = np.where(cells % 4 < 2, -1.0, 0.5).astype(np.float32)
     with torch.no_grad():
-        got, stats = GRPOObjective(clip_high=0.28, clip_behavior=True).loss(model, batch)
+        got, stats = GRPOObjective(clip_high=0.28, clip_behavior=rule).loss(model, batch)
         plain, plain_stats = GRPOObjective(clip_high=0.28).loss(model, batch)
     trained = batch["loss_mask"] > 0
     adv = batch["advantages"].astype(np.float64)
     # by hand: a token whose probability rose past the band and whose advantage pushes
-    # it up (or fell under it, pushed down) adds nothing; the rest add -w * A
-    past = trained & (((cells % 3 == 0) & (adv > 0)) | ((cells % 3 == 1) & (adv < 0)))
+    # it up (or fell under it, pushed down) adds nothing; the rest add -w * A.
+    # "negative" stops only the second kind.
+    up = trained & (cells % 3 == 0) & (adv > 0)
+    down = trained & (cells % 3 == 1) & (adv < 0)
+    both = up | down
+    past = down if rule == "negative" else both
+    assert up.any() and down.any()
     kept = trained & ~past
     rows, width = current.shape
     want = -(np.exp(log_w[kept]) * adv[kept]).sum() / (rows * width)
@@ -677,9 +685,10 @@ def test_clip_behavior_stops_the_tokens_that_moved_past_the_band_since_sampling(
     assert abs(float(got) - float(plain)) > 1e-4
     share = float(past.sum() / trained.sum())
     assert 0 < share < 1
-    # the metric counts those tokens either way: it says what the option would stop
+    # the metric counts the tokens the rule stops; off, the ones the two-sided rule would
     assert stats["behavior_clip_fraction"] == pytest.approx(share, rel=1e-6)
-    assert plain_stats["behavior_clip_fraction"] == pytest.approx(share, rel=1e-6)
+    both_share = float(both.sum() / trained.sum())
+    assert plain_stats["behavior_clip_fraction"] == pytest.approx(both_share, rel=1e-6)
 
 
 # --------------------------------------------------------------------------- bad input
@@ -699,6 +708,7 @@ def test_clip_behavior_stops_the_tokens_that_moved_past_the_band_since_sampling(
         ({"kl_coef": -0.1}, "kl_coef"),
         ({"kl_coef": float("nan")}, "kl_coef"),
         ({"clip_behavior": 1}, "clip_behavior"),
+        ({"clip_behavior": "positive"}, "clip_behavior"),
     ],
 )
 def test_constructor_rejects_bad_parameters(kwargs: dict[str, float], name: str) -> None:

@@ -67,7 +67,7 @@ def test_clip_behavior_hand_worked() -> None:
     behavior = proximal - imp.log()
     logp = (proximal + ratio.log()).requires_grad_()
 
-    def run(on: bool) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    def run(on: bool | str) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         return decoupled_ppo_loss(
             logp[None], proximal[None], behavior[None], adv[None], mask[None],
             clip=0.2, clip_high=0.28, cap=2.0, clip_behavior=on,
@@ -89,6 +89,15 @@ def test_clip_behavior_hand_worked() -> None:
         off[0].detach(), torch.tensor([-1.5, 1.5, 0.5, -0.5, -1.2, -1.375, 0.0])
     )
     assert off_metrics["behavior_clip_fraction"] == pytest.approx(3 / 6)
+    # "negative" stops only the token that fell to 0.5 with a negative advantage; the two
+    # that rose past 1.28 with a positive one (1.5 and 1.375) train
+    down, down_metrics = run("negative")
+    torch.testing.assert_close(
+        down[0].detach(), torch.tensor([-1.5, 1.5, 0.0, -0.5, -1.2, -1.375, 0.0])
+    )
+    assert down_metrics["behavior_clip_fraction"] == pytest.approx(1 / 6)
+    same, _ = run("both")
+    torch.testing.assert_close(same[0].detach(), expect)
 
 
 def test_a_sequence_weight_is_its_chains_product_truncated_at_the_cap() -> None:

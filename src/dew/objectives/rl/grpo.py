@@ -35,7 +35,17 @@ is exactly 1). Without it, rollouts a few updates old keep pushing a fast-moving
 probability (the stop token's, say) in the direction the policy has already gone, and
 the policy overshoots: a feedback loop with a delay swings (see ``bench/RESULTS.md``,
 "async steps"). On a fresh batch ``pi_behavior`` is ``pi_proximal``, so it changes nothing
-there. ``behavior_clip_fraction`` counts those tokens whether the option is on or not.
+there. ``behavior_clip_fraction`` counts the tokens the rule stops (with the option off,
+the tokens the two-sided rule would stop).
+
+``clip_behavior="negative"`` keeps only the second half of that rule
+(:data:`BEHAVIOR_CLIP`): a token is stopped when its advantage is negative and its
+probability has already fallen under ``1 - clip`` of the behavior's, and a token with a
+positive advantage trains however far it has risen. The reasoning is in the staleness
+itself: the tokens that rose most since a stale batch was sampled are the ones the policy
+is learning fastest, and holding their gradient back delays the very learning the batch
+was kept for, whereas pushing a token further down than the policy has already taken it
+is the overshoot the clip is for (``bench/RESULTS.md``, profile item 40).
 
 Decisions worth knowing:
 
@@ -83,6 +93,7 @@ from dew.objectives.rl._packed_forward import (
 
 __all__ = [
     "ATTENTION_MASKS",
+    "BEHAVIOR_CLIP",
     "IMPORTANCE",
     "PROXIMAL",
     "PROXIMAL_STAMP",
@@ -234,7 +245,41 @@ def _pushed_past(
 ) -> torch.Tensor:
     """Trained tokens whose ``ratio`` left ``[1 - clip, 1 + high]`` on the side their
     advantage pushes it toward; all [rows, width]."""
-    return trained & (((adv > 0) & (ratio > 1.0 + high)) | ((adv < 0) & (ratio < 1.0 - clip)))
+    return trained & (((adv > 0) & (ratio > 1.0 + high)) | _pushed_under(ratio, adv, clip))
+
+
+def _pushed_under(ratio: torch.Tensor, adv: torch.Tensor, clip: float) -> torch.Tensor:
+    """Tokens with a negative advantage whose ``ratio`` fell under ``1 - clip``;
+    [rows, width]."""
+    return (adv < 0) & (ratio < 1.0 - clip)
+
+
+def _pushed_down_past(
+    ratio: torch.Tensor, adv: torch.Tensor, trained: torch.Tensor, clip: float, high: float
+) -> torch.Tensor:
+    """Trained tokens whose ``ratio`` fell under ``1 - clip`` with a negative advantage
+    (the upper side is left open); all [rows, width]."""
+    return trained & _pushed_under(ratio, adv, clip)
+
+
+# Which tokens the behavior clip stops: name -> rule taking (pi_theta / pi_behavior,
+# advantages, trained, clip, clip_high) and returning a bool mask, all [rows, width].
+BEHAVIOR_CLIP = {"both": _pushed_past, "negative": _pushed_down_past}
+BehaviorClipChoice = Literal["both", "negative"]
+
+
+def _behavior_clip_rule(value: object) -> BehaviorClipChoice | None:
+    """``clip_behavior``'s rule name, or None when the option is off (``True`` is
+    ``"both"``)."""
+    if value is False:
+        return None
+    if value is True:
+        return "both"
+    if isinstance(value, str) and value in BEHAVIOR_CLIP:
+        return value  # type: ignore[return-value]
+    raise ValueError(
+        f"clip_behavior must be True, False or one of {list(BEHAVIOR_CLIP)}, got {value!r}"
+    )
 
 
 def decoupled_ppo_loss(
@@ -249,7 +294,7 @@ def decoupled_ppo_loss(
     cap: float,
     importance: str = "truncate",
     segments: torch.Tensor | None = None,
-    clip_behavior: bool = False,
+    clip_behavior: bool | BehaviorClipChoice = False,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Per-token decoupled PPO loss (to minimize) and detached metric scalars.
 
@@ -259,13 +304,15 @@ def decoupled_ppo_loss(
     Returns ``per_token`` [rows, width] = ``-mask * w * min(r * A, clip(r) * A)`` with
     ``w = behavior_importance(proximal, behavior, cap, importance)`` (detached), ``r = exp(logp -
     proximal)`` and ``clip(r)`` in ``[1 - clip, 1 + (clip_high or clip)]``; 0 where
-    ``mask`` is 0, and 0 with ``clip_behavior`` where ``rho = pi_theta / pi_behavior``
-    (``r`` times the raw ``w``) is above ``1 + (clip_high or clip)`` with ``A > 0`` or
-    under ``1 - clip`` with ``A < 0``. Metrics: mismatch_kl, importance_mean,
-    importance_max (before the cap), importance_capped_fraction, clip_fraction,
-    behavior_clip_fraction (the tokens that ``rho`` test picks, on or off), ratio_mean,
-    trained_tokens.
+    ``mask`` is 0, and 0 with ``clip_behavior`` (``True`` or ``"both"``) where
+    ``rho = pi_theta / pi_behavior`` (``r`` times the raw ``w``) is above
+    ``1 + (clip_high or clip)`` with ``A > 0`` or under ``1 - clip`` with ``A < 0``; with
+    ``"negative"``, only where it is under ``1 - clip`` with ``A < 0``. Metrics:
+    mismatch_kl, importance_mean, importance_max (before the cap),
+    importance_capped_fraction, clip_fraction, behavior_clip_fraction (the tokens the
+    ``rho`` rule stops; the two-sided rule's when off), ratio_mean, trained_tokens.
     """
+    rule = _behavior_clip_rule(clip_behavior)
     high = clip if clip_high is None else clip_high
     mask = mask.to(logp.dtype)
     trained = mask > 0  # [rows, width]
@@ -282,8 +329,8 @@ def decoupled_ppo_loss(
     surrogate = torch.minimum(ratio * adv, clipped * adv)  # [rows, width]
     # pi_theta / pi_behavior: how far each token's probability moved since it was sampled
     moved = ratio.detach() * raw_w  # [rows, width]
-    past = _pushed_past(moved, adv, trained, clip, high)  # [rows, width]
-    if clip_behavior:
+    past = BEHAVIOR_CLIP[rule or "both"](moved, adv, trained, clip, high)  # [rows, width]
+    if rule is not None:
         surrogate = torch.where(past, zero, surrogate)
     per_token = -(mask * weight * surrogate)  # [rows, width]
 
@@ -321,8 +368,10 @@ class GRPOObjective:
     (:data:`IMPORTANCE`: ``"truncate"`` at ``importance_cap``, ``"mask"`` outside
     ``[1 / importance_cap, importance_cap]``, or ``"sequence"``, each chain's product
     truncated at ``importance_cap``; see the module docstring).
-    ``clip_behavior`` also stops every token whose ``pi_theta / pi_behavior`` has left
-    the clip band in its advantage's direction (see the module docstring).
+    ``clip_behavior`` (``True``, or a rule of :data:`BEHAVIOR_CLIP`) also stops every
+    token whose ``pi_theta / pi_behavior`` has left the clip band in its advantage's
+    direction (``True`` or ``"both"``), or only those pushed down past its lower edge
+    (``"negative"``); see the module docstring.
     ``temperature`` must be the sampling temperature, so trainer log-probs describe
     the same distribution the engine drew from. ``kl_coef`` (0: off) adds that many
     times :func:`reference_kl` against the frozen ``reference`` model to every trained
@@ -343,7 +392,7 @@ class GRPOObjective:
         kl_coef: float = 0.0,
         reference: torch.nn.Module | None = None,
         proximal: ProximalChoice = "rescore",
-        clip_behavior: bool = False,
+        clip_behavior: bool | BehaviorClipChoice = False,
     ) -> None:
         self.clip = _positive("clip", clip)
         self.clip_high = None if clip_high is None else _positive("clip_high", clip_high)
@@ -365,9 +414,10 @@ class GRPOObjective:
         if proximal not in PROXIMAL:
             raise ValueError(f"proximal={proximal!r} is not one of {list(PROXIMAL)}")
         self.proximal: ProximalChoice = proximal
-        if not isinstance(clip_behavior, bool):
-            raise ValueError(f"clip_behavior must be True or False, got {clip_behavior!r}")
-        self.clip_behavior = clip_behavior
+        # False when off, else the rule's name ("both" for True)
+        self.clip_behavior: BehaviorClipChoice | Literal[False] = (
+            _behavior_clip_rule(clip_behavior) or False
+        )
 
     def __repr__(self) -> str:
         return (
@@ -375,7 +425,7 @@ class GRPOObjective:
             f"importance_cap={self.importance_cap}, importance={self.importance!r}, "
             f"temperature={self.temperature}, "
             f"kl_coef={self.kl_coef}, proximal={self.proximal!r}, "
-            f"clip_behavior={self.clip_behavior})"
+            f"clip_behavior={self.clip_behavior!r})"
         )
 
     def packed_log_probs(
