@@ -171,9 +171,8 @@ def test_the_heavy_tailed_tasks_build_a_model_their_chains_fit() -> None:
             # stale rollouts keep most of their correction (the task's cap, not 2)
             assert job.objective.importance_cap == config.importance_cap == 10.0
             # and stop pushing what the policy already moved since they were sampled
-            # (on the multi-turn variant, only what it already pushed down)
-            rule = {"tail": "both", "tail-turns": "negative"}[task]
-            assert job.objective.clip_behavior == rule
+            assert config.clip_behavior is True
+            assert job.objective.clip_behavior == "both"
 
 
 def test_the_demo_passes_its_objective_knobs_on() -> None:

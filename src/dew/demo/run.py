@@ -236,10 +236,8 @@ TASK_DEFAULTS: dict[str, dict[str, Any]] = {
     # low cap takes most of their correction away. The behavior clip keeps stale batches
     # from pushing the stop token's probability past where the policy already took it,
     # which otherwise swings the answer lengths from batch to batch (bench/RESULTS.md,
-    # "async steps"). On the multi-turn variant it acts on the negative side only: a
-    # token that rose since sampling is one the policy is learning, and holding it back
-    # cost that variant steps (bench/RESULTS.md, profile item 40); the single-turn
-    # variant was not measured with it.
+    # "async steps"); on both sides of the band: the negative side alone did no better on
+    # seeds no one tuned on (bench/RESULTS.md, profile item 42).
     "tail": {
         "steps": 200,
         "lr": 1e-3,
@@ -257,7 +255,7 @@ TASK_DEFAULTS: dict[str, dict[str, Any]] = {
         "estimator": "group_std",
         "clip_high": 0.28,
         "importance_cap": 10.0,
-        "clip_behavior": "negative",
+        "clip_behavior": True,
         "truncation": "score",
     },
 }

@@ -560,7 +560,7 @@ def _field_loc(loc: Sequence[int | str]) -> tuple[int | str, ...]:
         elif fields is not None and part in fields:
             kept.append(part)
             annotation = fields[part].annotation
-            at = _model_in(annotation) or annotation
+            at = _section_model(annotation) or annotation
     return tuple(kept)
 
 
@@ -569,17 +569,6 @@ def _is_mapping(annotation: Any) -> bool:
         typing.get_origin(a) in (dict, Mapping) or a in (dict, Mapping)
         for a in (annotation, *typing.get_args(annotation))
     )
-
-
-def _model_in(annotation: Any) -> Any:
-    """The pydantic model an annotation holds (itself, or inside a union, tuple or
-    list), or None."""
-    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
-        return annotation
-    for arg in typing.get_args(annotation):
-        if (found := _model_in(arg)) is not None:
-            return found
-    return None
 
 
 def _toml(data: Mapping[str, Any], prefix: str = "") -> str:
