@@ -101,6 +101,9 @@ class RunResult:
     load: float | None = None
     # dew only: the run's mean of some per-step record figures (see _vs_trl_dew.DIAGNOSTICS)
     diagnostics: dict[str, float] = field(default_factory=dict)
+    # dew only: the objective it trained with (its repr: the task's defaults resolved, which
+    # the spec's overrides alone do not say); "" in runs saved before it was kept
+    objective: str = ""
 
     @property
     def steps(self) -> int:

@@ -111,6 +111,7 @@ def run_dew(spec: RunSpec) -> RunResult:
         # the two-turn copy task is built here; the others are the demo registry's
         task = _two_turn(spec) if spec.task == "multi" else None
         job = build_job(config, stack, task=task)
+        result.objective = repr(job.objective)
         clock.start()
         try:
             job.fit(

@@ -110,6 +110,7 @@ def run_one(spec: RunSpec, kind: str, engines: int, vllm_python: str) -> dict[st
             stack.callback(engine.close)
         startup = time.monotonic() - started
         job = build_job(config, stack, engine=engine)
+        result.objective = repr(job.objective)
         clock.start()
         try:
             fit(

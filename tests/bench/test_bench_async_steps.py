@@ -31,6 +31,9 @@ def test_async_steps_bench_tiny_runs_each_variant_with_its_fields(tmp_path: Path
     }  # fmt: skip
     assert masked.steps == 2 and masked.load is not None
     assert masked.diagnostics["lag"] >= 0
+    # the objective it trained with: the overrides over the task's own settings
+    assert "importance='mask'" in masked.objective and "importance_cap=1.5" in masked.objective
+    assert "clip_behavior='both'" in masked.objective  # the tail task's, not overridden
 
 
 def _saved(folder: Path, name: str, seed: int, steps: int, ahead: int) -> None:
