@@ -53,6 +53,7 @@ from dew._devices import DEVICE_PATTERN
 from dew.core import MIN_TEMPERATURE, SamplingParams
 from dew.job._base import ConfigError, Section
 from dew.job._engines import EngineSection
+from dew.job._toml import toml_text
 from dew.job.rewards import REWARD_TIMEOUT
 from dew.objectives.rl.config import SchedulerConfig
 from dew.objectives.rl.grpo import GRPOObjective
@@ -355,7 +356,7 @@ class JobConfig(Section):
         """The resolved config as TOML (what ``--print-config`` prints and the run
         folder keeps), every field, an unset one as a ``# field = none`` comment;
         loading it gives this config back."""
-        return _toml(self.model_dump()).lstrip("\n")
+        return toml_text(self.model_dump()).lstrip("\n")
 
 
 # What a resumed run cannot take another value of: its checkpoint holds these weights
@@ -569,35 +570,3 @@ def _is_mapping(annotation: Any) -> bool:
         typing.get_origin(a) in (dict, Mapping) or a in (dict, Mapping)
         for a in (annotation, *typing.get_args(annotation))
     )
-
-
-def _toml(data: Mapping[str, Any], prefix: str = "") -> str:
-    """``data`` (nested mappings, sequences of mappings, plain values) as TOML."""
-    plain, tables = [], []
-    for key, value in data.items():
-        if isinstance(value, Mapping):
-            tables.append(f"\n[{prefix}{key}]\n" + _toml(value, f"{prefix}{key}."))
-        elif (
-            isinstance(value, (list, tuple))
-            and value
-            and all(isinstance(v, Mapping) for v in value)
-        ):
-            for item in value:
-                tables.append(f"\n[[{prefix}{key}]]\n" + _toml(item, f"{prefix}{key}."))
-        elif value is None:  # TOML has no null: shown, as a comment, so every field is
-            plain.append(f"# {key} = none\n")
-        else:
-            plain.append(f"{key} = {_toml_value(value)}\n")
-    return "".join(plain) + "".join(tables)
-
-
-def _toml_value(value: Any) -> str:
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, (int, float)):
-        return repr(value)
-    if isinstance(value, str):
-        return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
-    if isinstance(value, (list, tuple)):
-        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
-    raise TypeError(f"cannot write {value!r} as TOML")
