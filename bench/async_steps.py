@@ -48,13 +48,13 @@ from vs_trl_tail import THRESHOLDS, reach_seconds, reach_steps
 SYNC = "sync"
 _A2 = {"ahead": 2, "max_lag": 2}
 # name -> DemoConfig fields on top of the task's tuned ones (ahead and max_lag aside:
-# importance cap 10, the behavior clip on: both sides on tail, the negative side on
-# tail-turns). The first is the baseline every other is paired with; then ahead 2 without
-# a cut and each of its parts changed alone: no behavior clip, one batch ahead or three
-# (the benchmark's policy), the objective's cap of 2, the cut of the slowest samples,
-# keys/values recomputed at a push (step lag for every token), the masked behavior
-# weight; and the benchmark's policy with the engine admitting arrivals at every
-# iteration (its admit_wait at 0), and with the behavior clip on each of its rules.
+# importance cap 10, the behavior clip on both sides). The first is the baseline every
+# other is paired with; then ahead 2 without a cut and each of its parts changed alone: no
+# behavior clip, one batch ahead or three (the benchmark's policy), the objective's cap of
+# 2, the cut of the slowest samples, keys/values recomputed at a push (step lag for every
+# token), the masked behavior weight; and the benchmark's policy with the engine admitting
+# arrivals at every iteration (its admit_wait at 0), and with the behavior clip on each of
+# its rules.
 VARIANTS: dict[str, dict[str, Any]] = {
     SYNC: {"ahead": 0, "max_lag": 0},
     "ahead 2": _A2,

@@ -245,13 +245,8 @@ def _pushed_past(
 ) -> torch.Tensor:
     """Trained tokens whose ``ratio`` left ``[1 - clip, 1 + high]`` on the side their
     advantage pushes it toward; all [rows, width]."""
-    return trained & (((adv > 0) & (ratio > 1.0 + high)) | _pushed_under(ratio, adv, clip))
-
-
-def _pushed_under(ratio: torch.Tensor, adv: torch.Tensor, clip: float) -> torch.Tensor:
-    """Tokens with a negative advantage whose ``ratio`` fell under ``1 - clip``;
-    [rows, width]."""
-    return (adv < 0) & (ratio < 1.0 - clip)
+    up = trained & (adv > 0) & (ratio > 1.0 + high)  # [rows, width]
+    return up | _pushed_down_past(ratio, adv, trained, clip, high)
 
 
 def _pushed_down_past(
@@ -259,7 +254,7 @@ def _pushed_down_past(
 ) -> torch.Tensor:
     """Trained tokens whose ``ratio`` fell under ``1 - clip`` with a negative advantage
     (the upper side is left open); all [rows, width]."""
-    return trained & _pushed_under(ratio, adv, clip)
+    return trained & (adv < 0) & (ratio < 1.0 - clip)
 
 
 # Which tokens the behavior clip stops: name -> rule taking (pi_theta / pi_behavior,
