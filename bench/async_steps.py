@@ -12,14 +12,15 @@ alone, ahead 3 (the benchmark's policy) among them.
 Figures per variant, over the seeds: steps to the threshold (median and the
 distribution-free interval of ``bench/_stats.py``), those steps over the synchronous
 run's of the same seed (paired), the reward at step ``--at`` (the mean of the 10 steps
-ending there: how far a run had got before the last stretch to the threshold),
-seconds per step and to the threshold, and from the runs' records: the mean lag of the
-trained rollouts (updates), the mean length of the admitted completions and of the
-cancelled ones when cut, the KL between the behavior and proximal policies and the
-share of trained tokens the behavior clip picks (``GRPOObjective.clip_behavior``;
-reported whether it is on or not). The
-cores other work took during each run are reported too; a table with a run over
-``_stats.QUIET`` is marked as measured under load.
+ending there: how far a run had got before the last stretch to the threshold), seconds
+per step and to the threshold, how much sooner than the synchronous run each variant got
+there (sync's median seconds over its, rounded down as ``bench/vs_trl_tail.py`` rounds
+it, and per seed), and from the runs' records: the mean lag of the trained rollouts
+(updates), the mean length of the admitted completions and of the cancelled ones when
+cut, the KL between the behavior and proximal policies and the share of trained tokens
+the behavior clip picks (``GRPOObjective.clip_behavior``; reported whether it is on or
+not). The cores other work took during each run are reported too; a table with a run
+over ``_stats.QUIET`` is marked as measured under load.
 
     .venv/bin/python bench/async_steps.py --task tail --seeds 100,101,102,103,104 --write
 
@@ -43,7 +44,7 @@ from _results import provenance_lines, write_section
 from _stats import load_summary, median_interval, paired_ratios
 from _vs_trl_common import WINDOW, RunResult, RunSpec
 from vs_trl import load_results, parse_seeds, run_provenance, run_worker, save_result
-from vs_trl_tail import THRESHOLDS, reach_seconds, reach_steps
+from vs_trl_tail import THRESHOLDS, ratio_text, reach_seconds, reach_steps
 
 SYNC = "sync"
 _A2 = {"ahead": 2, "max_lag": 2}
@@ -165,27 +166,34 @@ def report(task: str, results: dict[str, list[RunResult]], at: int) -> str:
     base = results[SYNC] if SYNC in results else None
     lines = [
         f"| variant | seeds | steps to {threshold}, per seed | median (interval) | / sync's, per "
-        f"seed | reward at step {at} | s/step | seconds to {threshold} | lag | admitted "
-        "len | cut len | mismatch KL | behavior-clipped |",
-        "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        f"seed | reward at step {at} | s/step | seconds to {threshold} | sync's seconds / "
+        "these, medians; per seed | lag | admitted len | cut len | mismatch KL | "
+        "behavior-clipped |",
+        "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for name, measured in results.items():
         steps = [float(reach_steps(r)) for r in measured]
         per_seed = ", ".join(f"{reach_steps(r)}" + ("" if r.reached() else "+") for r in measured)
-        paired = "-"
+        paired = faster = "-"
         if base is not None and name != SYNC:
             ratios = paired_ratios(
                 {r.spec.seed: reach_steps(r) for r in measured},
                 {r.spec.seed: reach_steps(r) for r in base},
             )
             paired = _span(ratios, "{:.2f}x")
+            # the issue's time figure: how much sooner than sync the threshold came
+            speedups = paired_ratios(
+                {r.spec.seed: reach_seconds(r) for r in base},
+                {r.spec.seed: reach_seconds(r) for r in measured},
+            )
+            faster = f"{ratio_text(measured, base)[0]}; {_span(speedups, '{:.2f}x')}"
         rewards = [v for r in measured if (v := reward_at(r, at)) is not None]
         lines.append(
             f"| {name} | {_seeds([r.spec.seed for r in measured])} | {per_seed} "
             f"| {_span(steps, '{:.0f}')} | {paired} "
             f"| {_span(rewards, '{:.3f}') if rewards else '-'} "
             f"| {statistics.median(r.seconds_per_step for r in measured):.3f} "
-            f"| {_span([reach_seconds(r) for r in measured], '{:.1f}')} "
+            f"| {_span([reach_seconds(r) for r in measured], '{:.1f}')} | {faster} "
             f"| {_mean_of(measured, 'lag', '{:.2f}')} "
             f"| {_mean_of(measured, 'admitted_len', '{:.1f}')} "
             f"| {_mean_of(measured, 'cut_partial_len', '{:.1f}')} "
@@ -201,6 +209,14 @@ def report(task: str, results: dict[str, list[RunResult]], at: int) -> str:
         f"- machine: {machine}",
     ]
     return "\n".join(lines)
+
+
+def ran_with(measured: list[RunResult]) -> str:
+    """What a variant ran with: its fields and, where its runs saved it, the objective
+    those resolved to (all seeds of one variant share both)."""
+    first = measured[0]
+    fields = f"`{first.spec.overrides}`"
+    return f"{fields}, trained with `{first.objective}`" if first.objective else fields
 
 
 def main() -> None:
@@ -244,11 +260,9 @@ def main() -> None:
         results = run_all(args.task, variants, args)
     elapsed = time.monotonic() - t0
     seeds = sorted({r.spec.seed for rs in results.values() for r in rs})
-    # what each variant ran with: its saved runs' fields (all seeds of one variant share them)
-    ran = {name: measured[0].spec.overrides for name, measured in results.items()}
     text = (
         f"### {args.task} (seeds {', '.join(map(str, seeds))})\n\n"
-        + "\n".join(f"- {name}: `{fields}`" for name, fields in ran.items())
+        + "\n".join(f"- {name}: {ran_with(measured)}" for name, measured in results.items())
         + "\n\n"
         + report(args.task, results, args.at)
     )

@@ -308,6 +308,9 @@ def report(task: str, runs: list[Run], results: dict[str, list[RunResult]]) -> t
         f"- **steps to reward {threshold}, {ours} / dew sync (medians): {_up(steps)}**, "
         f"{paired_text(results[ours], results[sync], reach_steps)}"
     )
+    for label, measured in results.items():  # runs saved before the field have none
+        if measured[0].objective:
+            lines.append(f"- {label} trained with `{measured[0].objective}`")
     load, quiet = load_text(results)
     lines.append(f"- machine: {load}")
 

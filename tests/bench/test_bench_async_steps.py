@@ -36,7 +36,9 @@ def test_async_steps_bench_tiny_runs_each_variant_with_its_fields(tmp_path: Path
     assert "clip_behavior='both'" in masked.objective  # the tail task's, not overridden
 
 
-def _saved(folder: Path, name: str, seed: int, steps: int, ahead: int) -> None:
+def _saved(
+    folder: Path, name: str, seed: int, steps: int, ahead: int, objective: str = ""
+) -> None:
     spec = RunSpec(
         "dew", "tail", seed=seed, threads=1, max_seconds=600.0, max_steps=300,
         stop_at_reward=True, threshold=0.15, overrides={"ahead": ahead},
@@ -50,6 +52,7 @@ def _saved(folder: Path, name: str, seed: int, steps: int, ahead: int) -> None:
         stopped="reward",
         load=0.01,
         diagnostics={"lag": float(ahead), "admitted_len": 40.0, "behavior_clipped": 0.0125},
+        objective=objective,
     )
     (folder / f"tail-{name}-{seed}.json").write_text(result.to_json())
 
@@ -58,7 +61,7 @@ def _saved(folder: Path, name: str, seed: int, steps: int, ahead: int) -> None:
 def test_the_table_pairs_each_variant_with_sync_seed_by_seed(tmp_path: Path) -> None:
     for seed, (sync, ahead) in enumerate([(100, 110), (120, 120), (110, 132)]):
         _saved(tmp_path, "sync", seed, sync, 0)
-        _saved(tmp_path, "a2", seed, ahead, 2)
+        _saved(tmp_path, "a2", seed, ahead, 2, "GRPOObjective(clip=0.2)")
     (tmp_path / "run.json").write_text(json.dumps({"command": "saved"}))
     out = subprocess.run(
         [sys.executable, str(BENCH / "async_steps.py"), "--load", str(tmp_path),
@@ -66,6 +69,9 @@ def test_the_table_pairs_each_variant_with_sync_seed_by_seed(tmp_path: Path) -> 
         capture_output=True, text=True, timeout=100, check=False,
     )  # fmt: skip
     assert out.returncode == 0, out.stderr[-3000:]
+    # what each ran with; sync's runs predate the saved objective
+    assert "- sync: `{'ahead': 0}`\n" in out.stdout
+    assert "- a2: `{'ahead': 2}`, trained with `GRPOObjective(clip=0.2)`\n" in out.stdout
     # a2 / sync per seed: 1.10, 1.00, 1.20; the reward at step 100 is 0.1, but for the
     # sync seed that reaches the threshold right there (0.16)
     assert (
@@ -73,5 +79,9 @@ def test_the_table_pairs_each_variant_with_sync_seed_by_seed(tmp_path: Path) -> 
         in (out.stdout)
     )
     assert "| sync | 0-2 | 100, 120, 110 | 110 (100-120) | - | 0.100 (0.100-0.160) |" in out.stdout
+    # seconds to it are 0.2 a step: sync 20, 24, 22 against a2 22, 24, 26.4; medians 22
+    # over 24 = 0.9166.. (rounded down), per seed 0.91, 1.00, 0.83
+    assert "| 24.0 (22.0-26.4) | 0.91x; 0.91x (0.83x-1.00x) |" in out.stdout
+    assert "| 22.0 (20.0-24.0) | - |" in out.stdout
     assert "| 2.00 | 40.0 | - | - | 1.25% |" in out.stdout  # lag, lengths, KL, behavior clip
     assert "quiet: other work took at most 0.01 cores" in out.stdout

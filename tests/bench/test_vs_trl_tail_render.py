@@ -26,6 +26,7 @@ def _saved(
     seed: int = 0,
     steps: int = 10,
     load: float | None = 0.02,
+    objective: str = "",
 ) -> None:
     spec = RunSpec(
         system, "tail", seed=seed, threads=1, max_seconds=900.0, max_steps=400,
@@ -42,6 +43,7 @@ def _saved(
         stopped="reward",
         peak_rss_mb=500.0,
         load=load,
+        objective=objective,
     )
     (folder / f"tail-{label}-{seed}.json".replace(" ", "_")).write_text(result.to_json())
 
@@ -70,6 +72,16 @@ def test_a_ratio_just_under_its_target_never_reads_as_the_target(tmp_path: Path)
     assert "vs dew sync: 1.79x (1 run); completions/s 1.79x; target >= 1.8x: NOT met" in text
     assert "vs TRL: 4.00x (1 run); completions/s 4.00x; target >= 3x: met" in text
     assert "quiet: other work took at most 0.02 cores" in text
+
+
+@pytest.mark.timeout(120)
+def test_the_report_says_what_objective_each_dew_run_trained_with(tmp_path: Path) -> None:
+    _saved(tmp_path, ASYNC, "dew", 10.0, objective="GRPOObjective(clip_behavior='both')")
+    _saved(tmp_path, SYNC, "dew", 20.0, ahead=0)  # saved before runs kept their objective
+    _saved(tmp_path, TRL, "trl", 40.0)
+    text = _render(tmp_path)
+    assert f"- {ASYNC} trained with `GRPOObjective(clip_behavior='both')`" in text
+    assert f"- {SYNC} trained with" not in text and "TRL GRPOTrainer trained with" not in text
 
 
 @pytest.mark.timeout(120)
