@@ -36,9 +36,7 @@ def test_async_steps_bench_tiny_runs_each_variant_with_its_fields(tmp_path: Path
     assert "clip_behavior='both'" in masked.objective  # the tail task's, not overridden
 
 
-def _saved(
-    folder: Path, name: str, seed: int, steps: int, ahead: int, objective: str = ""
-) -> None:
+def _saved(folder: Path, name: str, seed: int, steps: int, ahead: int, objective: str = "") -> None:
     spec = RunSpec(
         "dew", "tail", seed=seed, threads=1, max_seconds=600.0, max_steps=300,
         stop_at_reward=True, threshold=0.15, overrides={"ahead": ahead},
