@@ -41,10 +41,10 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/_results.py, _vs_trl_*.py
 from _results import provenance_lines, write_section
-from _stats import load_summary, median_interval, paired_ratios
+from _stats import load_summary, median_interval
 from _vs_trl_common import WINDOW, RunResult, RunSpec
 from vs_trl import load_results, parse_seeds, run_provenance, run_worker, save_result
-from vs_trl_tail import THRESHOLDS, ratio_text, reach_seconds, reach_steps
+from vs_trl_tail import THRESHOLDS, paired, ratio_text, reach_seconds, reach_steps
 
 SYNC = "sync"
 _A2 = {"ahead": 2, "max_lag": 2}
@@ -174,23 +174,16 @@ def report(task: str, results: dict[str, list[RunResult]], at: int) -> str:
     for name, measured in results.items():
         steps = [float(reach_steps(r)) for r in measured]
         per_seed = ", ".join(f"{reach_steps(r)}" + ("" if r.reached() else "+") for r in measured)
-        paired = faster = "-"
+        steps_paired = faster = "-"
         if base is not None and name != SYNC:
-            ratios = paired_ratios(
-                {r.spec.seed: reach_steps(r) for r in measured},
-                {r.spec.seed: reach_steps(r) for r in base},
-            )
-            paired = _span(ratios, "{:.2f}x")
+            steps_paired = _span(paired(measured, base, reach_steps), "{:.2f}x")
             # the time figure: how much sooner than sync the threshold came
-            speedups = paired_ratios(
-                {r.spec.seed: reach_seconds(r) for r in base},
-                {r.spec.seed: reach_seconds(r) for r in measured},
-            )
-            faster = f"{ratio_text(measured, base)[0]}; {_span(speedups, '{:.2f}x')}"
+            speedups = _span(paired(base, measured, reach_seconds), "{:.2f}x")
+            faster = f"{ratio_text(measured, base)[0]}; {speedups}"
         rewards = [v for r in measured if (v := reward_at(r, at)) is not None]
         lines.append(
             f"| {name} | {_seeds([r.spec.seed for r in measured])} | {per_seed} "
-            f"| {_span(steps, '{:.0f}')} | {paired} "
+            f"| {_span(steps, '{:.0f}')} | {steps_paired} "
             f"| {_span(rewards, '{:.3f}') if rewards else '-'} "
             f"| {statistics.median(r.seconds_per_step for r in measured):.3f} "
             f"| {_span([reach_seconds(r) for r in measured], '{:.1f}')} | {faster} "

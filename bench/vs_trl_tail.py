@@ -241,10 +241,14 @@ def steps_ratio(ours: list[RunResult], sync: list[RunResult]) -> float:
     return mine / statistics.median(reach_steps(r) for r in sync)
 
 
+def paired(top: list[RunResult], bottom: list[RunResult], of: Any) -> list[float]:
+    """The per-seed ratios ``of(top) / of(bottom)``, in seed order."""
+    return paired_ratios(_by_seed(top, of), _by_seed(bottom, of))
+
+
 def paired_text(top: list[RunResult], bottom: list[RunResult], of: Any) -> str:
     """The per-seed ratios ``of(top) / of(bottom)``: median and interval."""
-    ratios = paired_ratios(_by_seed(top, of), _by_seed(bottom, of))
-    return f"per seed {_interval_text(ratios, '{:.2f}', 'x')}"
+    return f"per seed {_interval_text(paired(top, bottom, of), '{:.2f}', 'x')}"
 
 
 def load_text(results: dict[str, list[RunResult]]) -> tuple[str, bool]:
