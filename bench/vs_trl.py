@@ -20,9 +20,11 @@ completions (whole episodes) per second, and the time to reward 0.6 when a run g
 there.
 
 Every run is its own process (``_vs_trl_worker.py``), one after another, never two at
-once, each with torch pinned to ``--threads`` threads (and OMP/MKL_NUM_THREADS set to
-the same). ``--write`` replaces the ``## vs trl`` section of bench/RESULTS.md and its
-summary rows; ``--tiny`` runs every part for a few steps on one seed and writes nothing.
+once, each with torch pinned to its system's thread count (and OMP/MKL_NUM_THREADS set
+to the same): ``--dew-threads`` (default 1) for dew, ``--threads`` (default 2) for TRL,
+each system's faster count on two cores. ``--write`` replaces the ``## vs trl`` section
+of bench/RESULTS.md and its summary rows; ``--tiny`` runs every part for a few steps on
+one seed and writes nothing.
 ``--save DIR`` keeps every run's result as JSON, and the command, machine, wall time
 and load of the whole run; ``--load DIR`` renders them again without running anything
 (with the saved runs' settings, and with ``--write`` under the saved run's command).
@@ -310,6 +312,13 @@ def parse_seeds(text: str) -> list[int]:
     return seeds
 
 
+# Each system runs on its faster torch thread count on the 2-core machine (RESULTS.md,
+# "vs trl: heavy-tailed workload: profile", item 14): dew on one, since the tiny model's
+# matrices are too small for a second OpenMP thread to pay and its engine and trainer
+# threads already compute at once; TRL on ``--threads``, for its one ``generate`` call.
+DEW_THREADS = 1
+
+
 def threads_of(system: str, args: argparse.Namespace) -> int:
     return args.dew_threads if system == "dew" else args.threads
 
@@ -412,9 +421,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--seeds", default="0,1,2", help="seeds of the single-turn runs")
     ap.add_argument("--mt-seeds", default="0", help="seeds of the two-turn runs")
-    ap.add_argument("--threads", type=int, default=2, help="torch threads of every run")
+    ap.add_argument("--threads", type=int, default=2, help="torch threads of TRL's runs")
     ap.add_argument(
-        "--dew-threads", type=int, default=None, help="torch threads of dew's runs (--threads)"
+        "--dew-threads", type=int, default=DEW_THREADS, help="torch threads of dew's runs"
     )
     ap.add_argument("--max-seconds", type=float, default=300.0, help="cap per single-turn run")
     ap.add_argument("--max-steps", type=int, default=5000, help="step cap per single-turn run")
@@ -430,8 +439,6 @@ def main() -> None:
         seeds, mt_seeds = seeds[:1], mt_seeds[:1]
         args.max_steps, args.mt_steps, args.max_seconds = 2, 2, 60.0
         args.write = False
-    if args.dew_threads is None:
-        args.dew_threads = args.threads
     if args.threads < 1 or args.dew_threads < 1:
         raise SystemExit("--threads and --dew-threads must be >= 1")
     if find_spec("trl") is None:

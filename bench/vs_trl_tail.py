@@ -34,6 +34,8 @@ load of the whole run; ``--load DIR`` renders those again without running anythi
 
     .venv/bin/python bench/vs_trl_tail.py --seeds 200,201,202,203,204 --fleet 0 --write
 
+dew's runs take one torch thread and TRL's two unless ``--dew-threads`` and ``--threads``
+say otherwise: each system's faster count on two cores (see ``bench/vs_trl.py``).
 ``--write`` replaces the ``## vs trl: heavy-tailed workload`` section of
 bench/RESULTS.md and its summary rows; ``--tiny`` runs two small steps (2 tasks x 4
 samples of at most 16 tokens) of everything once and writes nothing.
@@ -58,6 +60,7 @@ from _stats import load_summary, median_interval, paired_ratios
 from _vs_trl_common import WINDOW, RunResult, RunSpec
 from dew.demo.tail import Workload
 from vs_trl import (
+    DEW_THREADS,
     load_results,
     median_reach,
     parse_seeds,
@@ -364,9 +367,9 @@ def main() -> None:
     ap.add_argument("--fleet", type=int, default=2, help="engine processes of the fleet run")
     ap.add_argument("--save", default=None, help="folder to keep every run's result in")
     ap.add_argument("--load", default=None, help="render the results saved in this folder")
-    ap.add_argument("--threads", type=int, default=2, help="torch threads of every run")
+    ap.add_argument("--threads", type=int, default=2, help="torch threads of TRL's runs")
     ap.add_argument(
-        "--dew-threads", type=int, default=None, help="torch threads of dew's runs (--threads)"
+        "--dew-threads", type=int, default=DEW_THREADS, help="torch threads of dew's runs"
     )
     ap.add_argument("--max-steps", type=int, default=400, help="step cap per run")
     ap.add_argument("--max-seconds", type=float, default=900.0, help="wall cap per run")
@@ -378,8 +381,6 @@ def main() -> None:
     if not tasks or unknown:
         raise SystemExit(f"--tasks: choose from {sorted(THRESHOLDS)}, got {args.tasks!r}")
     args.seeds = parse_seeds(args.seeds)
-    if args.dew_threads is None:
-        args.dew_threads = args.threads
     if not args.seeds or min(args.threads, args.dew_threads, args.max_steps) < 1 or args.fleet < 0:
         raise SystemExit("need a seed, --threads, --dew-threads and --max-steps >= 1, --fleet >= 0")
     if args.policy is not None:

@@ -27,6 +27,10 @@ def test_vs_trl_tail_bench_tiny(tmp_path: Path) -> None:
     run = json.loads((tmp_path / "run.json").read_text())
     assert run["command"].endswith("--tiny --policy 1,os=1 --save " + str(tmp_path))
     assert run["seconds"] > 0 and "torch" in run["machine"]
+    # each system on its own faster thread count unless told otherwise, as recorded
+    assert "(TRL 2 torch threads per run, dew 1)" in run["machine"]
+    saved = [json.loads(p.read_text())["spec"] for p in tmp_path.glob("tail*-0.json")]
+    assert {(s["system"], s["threads"]) for s in saved} == {("dew", 1), ("trl", 2)}
     assert Workload().describe() in text  # the workload's parameters beside the figures
     runs = (
         "dew \\(ahead 1, os 1\\)",
