@@ -7,7 +7,7 @@ steps, as there) or ``--max-steps``. A variant is a name and the ``DemoConfig`` 
 sets on top of the task's tuned settings (``--variant 'ahead 1:ahead=1,max_lag=1'``);
 the default set is sync, ahead 2 with the task's settings (no cut, importance cap
 and behavior clip) and each of its parts and of the objective's off-policy knobs changed
-alone, ahead 3 (the benchmark's policy) among them.
+alone, ahead 3 among them (the benchmark's policy is ahead 2 on tail, 3 on tail-turns).
 
 Figures per variant, over the seeds: steps to the threshold (median and the
 distribution-free interval of ``bench/_stats.py``), those steps over the synchronous
@@ -51,9 +51,9 @@ _A2 = {"ahead": 2, "max_lag": 2}
 # name -> DemoConfig fields on top of the task's tuned ones (ahead and max_lag aside:
 # importance cap 10, the behavior clip on both sides). The first is the baseline every
 # other is paired with; then ahead 2 without a cut and each of its parts changed alone: no
-# behavior clip, one batch ahead or three (the benchmark's policy), the objective's cap of
-# 2, the cut of the slowest samples, keys/values recomputed at a push (step lag for every
-# token), the masked behavior weight; and the benchmark's policy with the engine admitting
+# behavior clip, one batch ahead or three, the objective's cap of 2, the cut of the
+# slowest samples, keys/values recomputed at a push (step lag for every token), the
+# masked behavior weight; and ahead 3 (tail-turns' policy) with the engine admitting
 # arrivals at every iteration (its admit_wait at 0), and with the behavior clip on each of
 # its rules.
 VARIANTS: dict[str, dict[str, Any]] = {

@@ -139,8 +139,29 @@ def run_provenance(script: str, elapsed: float, args: argparse.Namespace) -> dic
     if args.load is not None:  # a render of runs whose own provenance was not kept
         run["note"] = f" (a render of {args.load}, which has no {PROVENANCE})"
     elif args.save:
-        (Path(args.save) / PROVENANCE).write_text(json.dumps(run))
+        path = Path(args.save) / PROVENANCE
+        if path.exists():  # an earlier invocation saved into this folder: keep it too
+            run = joined_provenance(json.loads(path.read_text()), run)
+        path.write_text(json.dumps(run))
     return run
+
+
+def joined_provenance(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
+    """The provenance of a folder two invocations saved into, ``before`` then
+    ``after``: both commands, the wall times added, each date and machine once."""
+    commands = before["command"] if isinstance(before["command"], list) else [before["command"]]
+    seconds = [run.get("seconds") for run in (before, after)]
+
+    def both(key: str) -> str:
+        return before[key] if before[key] == after[key] else f"{before[key]}; {after[key]}"
+
+    return {
+        "command": [*commands, after["command"]],
+        "machine": both("machine"),
+        "date": both("date"),
+        "seconds": None if None in seconds else sum(seconds),
+        "load": after.get("load"),
+    }
 
 
 def _progress(label: str, result: RunResult) -> None:

@@ -84,13 +84,16 @@ TARGETS = {"tail": 3.0, "tail-turns": 3.0}
 SYNC_TARGET = 1.8
 # Steps to the threshold, async over sync (medians): staleness may cost at most this.
 STEPS_TARGET = 1.15
-# dew's policy on this workload: three batches ahead, no cut. The ablations of
-# bench/async_steps.py chose it (bench/RESULTS.md, "async steps"): with the tail tasks'
-# behavior clip, three batches ahead took about as many steps as two and fewer seconds
-# a step, since the trainer waits less for the engine; a cut of the slowest samples
-# falls on the longest answers and costs steps. `dew plan`'s tail preset gives every
+# dew's policy per task: batches ahead, no cut. The ablations of bench/async_steps.py
+# chose them (bench/RESULTS.md, "async steps" and profile item 46). Each batch more
+# ahead makes a step cheaper (the trainer waits less for the slowest group) and every
+# trained rollout one update older. On tail, where a step is short, the older rollouts
+# cost steps: two ahead keeps both of its targets clear of their limits, where three
+# leaves the steps at the edge. On tail-turns the episodes' tool calls make the step
+# long and the seconds the tight target, so it keeps three. A cut of the slowest samples
+# falls on the longest answers and costs steps; `dew plan`'s tail preset gives every
 # sample of a group the same length, so it cannot see that.
-PLANNED = "3"
+PLANNED = {"tail": "2", "tail-turns": "3"}
 
 
 @dataclass(frozen=True)
@@ -146,6 +149,16 @@ def saved_policy(folder: str, task: str) -> Policy:
         saved = found or "none"
         raise SystemExit(f"--load {folder}: pass --policy (saved {task} policies: {saved})")
     return Policy(*found.pop())
+
+
+def task_policies(tasks: list[str], policy: str | None, load: str | None) -> dict[str, Policy]:
+    """dew's policy for each task: ``--policy`` on all of them when given, else the saved
+    runs' own (``--load``), else :data:`PLANNED`."""
+    if policy is not None:
+        return {task: Policy.parse(policy) for task in tasks}
+    if load:
+        return {task: saved_policy(load, task) for task in tasks}
+    return {task: Policy.parse(PLANNED[task]) for task in tasks}
 
 
 def _runs(policy: Policy, fleet: int) -> list[Run]:
@@ -361,8 +374,9 @@ def main() -> None:
     ap.add_argument(
         "--policy",
         default=None,
-        help=f"dew's policy: ahead[,os=N] (default {PLANNED}, the ablation's choice; "
-        "with --load, the saved runs' own)",
+        help="dew's policy on every task: ahead[,os=N] (default per task, the ablations' "
+        f"choice: {', '.join(f'{t} {p}' for t, p in PLANNED.items())}; with --load, the "
+        "saved runs' own)",
     )
     ap.add_argument("--fleet", type=int, default=2, help="engine processes of the fleet run")
     ap.add_argument("--save", default=None, help="folder to keep every run's result in")
@@ -383,13 +397,7 @@ def main() -> None:
     args.seeds = parse_seeds(args.seeds)
     if not args.seeds or min(args.threads, args.dew_threads, args.max_steps) < 1 or args.fleet < 0:
         raise SystemExit("need a seed, --threads, --dew-threads and --max-steps >= 1, --fleet >= 0")
-    if args.policy is not None:
-        policy = Policy.parse(args.policy)
-    elif args.load:
-        policy = saved_policy(args.load, tasks[0])
-    else:
-        policy = Policy.parse(PLANNED)
-    runs = _runs(policy, args.fleet)
+    policies = task_policies(tasks, args.policy, args.load)
     if args.tiny:
         args.seeds, args.max_steps, args.max_seconds, args.write = [0], 2, 120.0, False
     if args.save:
@@ -402,6 +410,7 @@ def main() -> None:
     t0 = time.monotonic()
     body, rows = [], []
     for task in tasks:
+        runs = _runs(policies[task], args.fleet)
         if args.load:
             results = load_results(args.load, task, [run.label for run in runs])
         else:

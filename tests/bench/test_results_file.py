@@ -2,21 +2,16 @@
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 from types import ModuleType
 
 import pytest
 
-BENCH = Path(__file__).resolve().parents[2] / "bench"
+from ._tiny import bench_module
 
 
 def results_module() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("bench_results", BENCH / "_results.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return bench_module("_results")
 
 
 def test_sections_and_summary_rows_replace_only_their_own(tmp_path: Path) -> None:

@@ -2,27 +2,15 @@
 
 from __future__ import annotations
 
-import importlib.util
 import math
 import subprocess
 import sys
-from types import ModuleType
 
 import pytest
 
-from ._tiny import BENCH
+from ._tiny import bench_module
 
-
-def _load() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("bench_stats", BENCH / "_stats.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-stats = _load()
+stats = bench_module("_stats")
 
 
 def test_five_values_give_smallest_to_largest_at_their_exact_coverage() -> None:

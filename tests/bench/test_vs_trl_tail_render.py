@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from ._tiny import BENCH
+from ._tiny import BENCH, bench_module
 from .test_bench_vs_trl_smoke import RunResult, RunSpec
 
 ASYNC, SYNC, TRL = "dew (ahead 2)", "dew sync (ahead 0)", "TRL GRPOTrainer"
@@ -27,9 +27,10 @@ def _saved(
     steps: int = 10,
     load: float | None = 0.02,
     objective: str = "",
+    task: str = "tail",
 ) -> None:
     spec = RunSpec(
-        system, "tail", seed=seed, threads=1, max_seconds=900.0, max_steps=400,
+        system, task, seed=seed, threads=1, max_seconds=900.0, max_steps=400,
         stop_at_reward=True, ahead=ahead, threshold=0.15,
     )  # fmt: skip
     # reward 0 but for the last two steps: the first window of ten whose mean reaches
@@ -45,13 +46,13 @@ def _saved(
         load=load,
         objective=objective,
     )
-    (folder / f"tail-{label}-{seed}.json".replace(" ", "_")).write_text(result.to_json())
+    (folder / f"{task}-{label}-{seed}.json".replace(" ", "_")).write_text(result.to_json())
 
 
-def _render(folder: Path) -> str:
+def _render(folder: Path, tasks: str = "tail") -> str:
     (folder / "run.json").write_text(json.dumps({"command": "saved"}))
     out = subprocess.run(
-        [sys.executable, str(BENCH / "vs_trl_tail.py"), "--tasks", "tail", "--load", str(folder)],
+        [sys.executable, str(BENCH / "vs_trl_tail.py"), "--tasks", tasks, "--load", str(folder)],
         capture_output=True,
         text=True,
         timeout=100,
@@ -113,3 +114,36 @@ def test_no_target_counts_when_a_run_shared_the_machine(tmp_path: Path) -> None:
     assert "target >= 1.8x: NOT counted (load)" in text
     assert "target >= 3x: NOT counted (load)" in text
     assert ": met" not in text
+
+
+def test_each_task_runs_its_own_planned_policy_unless_one_is_given() -> None:
+    tail = bench_module("vs_trl_tail")
+    policies = tail.task_policies(["tail", "tail-turns"], None, None)
+    assert policies == {"tail": tail.Policy(2, 0), "tail-turns": tail.Policy(3, 0)}
+    given = tail.task_policies(["tail", "tail-turns"], "1,os=2", None)
+    assert set(given.values()) == {tail.Policy(1, 2)}
+
+
+@pytest.mark.timeout(120)
+def test_saved_runs_render_under_each_tasks_own_policy(tmp_path: Path) -> None:
+    for task, ahead in (("tail", 2), ("tail-turns", 3)):
+        _saved(tmp_path, f"dew (ahead {ahead})", "dew", 10.0, ahead=ahead, task=task)
+        _saved(tmp_path, SYNC, "dew", 20.0, ahead=0, task=task)
+        _saved(tmp_path, TRL, "trl", 40.0, task=task)
+    text = _render(tmp_path, "tail,tail-turns")
+    tail, turns = text.split("\nvs TRL, ")[0].split("### tail-turns ")
+    assert "| dew (ahead 2) | 0 |" in tail and "ahead 3" not in tail
+    assert "| dew (ahead 3) | 0 |" in turns and "ahead 2" not in turns
+
+
+def test_a_folder_saved_into_twice_keeps_both_commands() -> None:
+    vs_trl = bench_module("vs_trl")
+    first = {"command": "a", "machine": "m", "date": "d1", "seconds": 10.0, "load": 0.5}
+    second = {"command": "b", "machine": "m", "date": "d2", "seconds": 5.0, "load": 0.2}
+    joined = vs_trl.joined_provenance(first, second)
+    assert joined == {
+        "command": ["a", "b"], "machine": "m", "date": "d1; d2", "seconds": 15.0, "load": 0.2
+    }  # fmt: skip
+    third = {**second, "command": "c", "seconds": None}
+    assert vs_trl.joined_provenance(joined, third)["command"] == ["a", "b", "c"]
+    assert vs_trl.joined_provenance(joined, third)["seconds"] is None
