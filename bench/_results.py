@@ -54,10 +54,34 @@ def provenance(script: str, seconds: float, *versions: str) -> dict[str, Any]:
     }
 
 
+def _commands(run: Mapping[str, Any]) -> list[str]:
+    """The run's command, or commands when several invocations saved into one folder."""
+    return run["command"] if isinstance(run["command"], list) else [run["command"]]
+
+
+def joined_provenance(before: Mapping[str, Any], after: Mapping[str, Any]) -> dict[str, Any]:
+    """The provenance of a folder that invocations saved into, ``before`` (one or more
+    of them) then ``after``: every command, the wall times added, each date and machine
+    once."""
+    seconds = [run.get("seconds") for run in (before, after)]
+
+    def both(key: str) -> str:
+        seen = before[key].split("; ")
+        return before[key] if after[key] in seen else f"{before[key]}; {after[key]}"
+
+    return {
+        "command": [*_commands(before), after["command"]],
+        "machine": both("machine"),
+        "date": both("date"),
+        "seconds": None if None in seconds else sum(seconds),
+        "load": after.get("load"),
+    }
+
+
 def provenance_lines(run: Mapping[str, Any]) -> str:
     """A section's ``- command``, ``- machine`` and ``- date`` lines for ``run``
     (:func:`provenance`; an optional ``note`` follows the command)."""
-    commands = run["command"] if isinstance(run["command"], list) else [run["command"]]
+    commands = _commands(run)
     # a section made of several invocations (kept in one folder) lists each of them
     command = "; ".join(f"`{c}`" for c in commands)
     when = f"- date: {run['date']}"

@@ -49,7 +49,13 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/_results.py, _vs_trl_*.py
 import _results
-from _results import provenance, provenance_lines, write_section, write_summary_row
+from _results import (
+    joined_provenance,
+    provenance,
+    provenance_lines,
+    write_section,
+    write_summary_row,
+)
 from _stats import OtherLoad
 from _vs_trl_common import THRESHOLD, WINDOW, RunResult, RunSpec
 
@@ -144,24 +150,6 @@ def run_provenance(script: str, elapsed: float, args: argparse.Namespace) -> dic
             run = joined_provenance(json.loads(path.read_text()), run)
         path.write_text(json.dumps(run))
     return run
-
-
-def joined_provenance(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
-    """The provenance of a folder two invocations saved into, ``before`` then
-    ``after``: both commands, the wall times added, each date and machine once."""
-    commands = before["command"] if isinstance(before["command"], list) else [before["command"]]
-    seconds = [run.get("seconds") for run in (before, after)]
-
-    def both(key: str) -> str:
-        return before[key] if before[key] == after[key] else f"{before[key]}; {after[key]}"
-
-    return {
-        "command": [*commands, after["command"]],
-        "machine": both("machine"),
-        "date": both("date"),
-        "seconds": None if None in seconds else sum(seconds),
-        "load": after.get("load"),
-    }
 
 
 def _progress(label: str, result: RunResult) -> None:

@@ -49,3 +49,19 @@ def test_provenance_of_one_command_and_of_several() -> None:
         r.provenance_lines(several)
         == "- commands: `a`; `b` (one by one)\n- machine: m\n- date: d\n"
     )
+
+
+def test_a_folder_saved_into_twice_keeps_every_command() -> None:
+    r = results_module()
+    first = {"command": "a", "machine": "m", "date": "d1", "seconds": 10.0, "load": 0.5}
+    second = {"command": "b", "machine": "m", "date": "d2", "seconds": 5.0, "load": 0.2}
+    joined = r.joined_provenance(first, second)
+    assert joined == {
+        "command": ["a", "b"], "machine": "m", "date": "d1; d2", "seconds": 15.0, "load": 0.2
+    }  # fmt: skip
+    third = {**second, "command": "c", "seconds": None}
+    again = r.joined_provenance(joined, third)
+    assert again["command"] == ["a", "b", "c"]
+    assert again["date"] == "d1; d2"  # a date already listed is not listed twice
+    assert again["seconds"] is None
+    assert r.provenance_lines(again).startswith("- commands: `a`; `b`; `c`\n")

@@ -134,16 +134,3 @@ def test_saved_runs_render_under_each_tasks_own_policy(tmp_path: Path) -> None:
     tail, turns = text.split("\nvs TRL, ")[0].split("### tail-turns ")
     assert "| dew (ahead 2) | 0 |" in tail and "ahead 3" not in tail
     assert "| dew (ahead 3) | 0 |" in turns and "ahead 2" not in turns
-
-
-def test_a_folder_saved_into_twice_keeps_both_commands() -> None:
-    vs_trl = bench_module("vs_trl")
-    first = {"command": "a", "machine": "m", "date": "d1", "seconds": 10.0, "load": 0.5}
-    second = {"command": "b", "machine": "m", "date": "d2", "seconds": 5.0, "load": 0.2}
-    joined = vs_trl.joined_provenance(first, second)
-    assert joined == {
-        "command": ["a", "b"], "machine": "m", "date": "d1; d2", "seconds": 15.0, "load": 0.2
-    }  # fmt: skip
-    third = {**second, "command": "c", "seconds": None}
-    assert vs_trl.joined_provenance(joined, third)["command"] == ["a", "b", "c"]
-    assert vs_trl.joined_provenance(joined, third)["seconds"] is None
