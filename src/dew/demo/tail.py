@@ -158,7 +158,8 @@ class TailTask:
     """``n`` tasks of the workload over a tokenizer; task ``str(i)`` is row ``i``.
 
     ``texts[i]`` is the single-turn digit string of task ``i`` (its prompt is
-    ``texts[i] + "="``, token ids in ``prompts[i]``); ``turns[i]`` its multi-turn segments.
+    ``texts[i] + "="``, token ids in ``prompts[i]``); ``turns[i]`` its multi-turn segments
+    (token ids in ``turn_answers[i]``).
     """
 
     workload: Workload
@@ -166,6 +167,7 @@ class TailTask:
     prompts: list[list[int]]
     answers: list[list[int]]
     turns: list[tuple[str, ...]]
+    turn_answers: list[tuple[list[int], ...]]
     eos: int
     encode: Callable[[str], list[int]]
     digits: frozenset[int]  # the digits' token ids
@@ -212,11 +214,13 @@ class TailEnv:
 
     def __init__(self, task: TailTask) -> None:
         self.task = task
+        self.index = -1
         self.segments: tuple[str, ...] = ()
         self.credit: list[float] = []
 
     def reset(self, task: Task) -> str:
-        self.segments = self.task.turns[self.task._index(task)]
+        self.index = self.task._index(task)
+        self.segments = self.task.turns[self.index]
         self.credit = []
         return self.segments[0] + "="
 
@@ -227,7 +231,7 @@ class TailEnv:
         # The reply comes without its stop token, so the turn's credit is the digits'
         # alone; a reply that ran on to the token cap is diluted by its extra tokens.
         self.task._latency.wait()  # the tool call (or, after the last turn, the verifier)
-        answer = self.task.encode(self.segments[turn])
+        answer = self.task.turn_answers[self.index][turn]
         self.credit.append(self.task.credit(answer, self.task.encode(reply)))
         if turn + 1 < len(self.segments):
             return self.segments[turn + 1] + "="
@@ -273,6 +277,7 @@ def make_tail_task(
         prompts=[encode(t + "=") for t in texts],
         answers=[encode(t) for t in texts],
         turns=turns,
+        turn_answers=[tuple(encode(s) for s in segments) for segments in turns],
         eos=int(tokenizer.eos_token_id),
         encode=encode,
         digits=frozenset(encode("0123456789")),

@@ -12,12 +12,22 @@ conversation (a system message and an assistant message with a marker content) a
 cutting the anchor's own rendering off, which works for any template that renders a
 conversation as the concatenation of its turns (ChatML, Llama 3, Mistral and the like).
 A template that rewrites earlier turns is refused with a clear error.
+
+Renders and encodings are remembered (a bounded memo per :class:`ChatTokens`, keyed by
+the messages' JSON text and by the text): the samples of a group see the same
+observations, and the worker threads of a multi-turn source would otherwise run the
+template and the tokenizer again for each of them, holding the interpreter lock the
+engine and the trainer wait for. The ids are the same either way. A template that reads
+the clock (``strftime_now``) is rendered every time.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Mapping, Sequence
+import json
+import threading
+from collections import OrderedDict
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from typing import Any
 
 from dew.core import SamplingParams, error_text
@@ -26,6 +36,30 @@ __all__ = ["ChatTokens", "resolve_stop_ids", "text_encoder"]
 
 
 _MARK = "\x00dew-marker\x00"
+# Renders and encodings a ChatTokens remembers (each): a multi-turn source renders the
+# same messages for every sample of a group, from many threads at once.
+_REMEMBERED = 4096
+
+
+class _Memo:
+    """A bounded, thread-safe memo: the least recently used entry goes first."""
+
+    def __init__(self, size: int) -> None:
+        self._size = size
+        self._lock = threading.Lock()
+        self._values: OrderedDict[Hashable, Any] = OrderedDict()
+
+    def get(self, key: Hashable, make: Callable[[], Any]) -> Any:
+        with self._lock:
+            if key in self._values:
+                self._values.move_to_end(key)
+                return self._values[key]
+        value = make()  # outside the lock: two threads may both make it, with one result
+        with self._lock:
+            self._values[key] = value
+            if len(self._values) > self._size:
+                self._values.popitem(last=False)
+        return value
 
 
 def resolve_stop_ids(sampling: SamplingParams, tokenizer: Any) -> SamplingParams:
@@ -62,6 +96,12 @@ class ChatTokens:
             raise ValueError("the tokenizer has no chat template; chat prompts need one")
         self.tokenizer = tokenizer
         self._encode = text_encoder(tokenizer)
+        # A template that reads the clock (``strftime_now``) renders differently over
+        # time; any other renders the same messages to the same text.
+        self._renders = (
+            None if "strftime_now" in str(tokenizer.chat_template) else _Memo(_REMEMBERED)
+        )
+        self._encodings = _Memo(_REMEMBERED)
         system = [{"role": "system", "content": "anchor"}]
         try:
             anchor = self._render(system, generation=False)
@@ -87,7 +127,7 @@ class ChatTokens:
         """Token ids of ``messages`` followed by the generation prompt (what
         ``apply_chat_template(..., tokenize=True)`` gives: the rendered text, encoded
         without special tokens added)."""
-        return self._encode(self._render(messages, generation=True))
+        return self._ids(self._text(messages))
 
     def after_reply(
         self, completion_text: str, stopped: bool, messages: Sequence[Mapping[str, Any]]
@@ -103,9 +143,22 @@ class ChatTokens:
             if stopped and completion_text.endswith(suffix[:cut]):
                 suffix = suffix[cut:]
                 break
-        full = self._render([*self._anchor, *messages], generation=True)
+        full = self._text([*self._anchor, *messages])
         if not full.startswith(self._anchor_text):
             raise ValueError(
                 "the chat template rewrites earlier turns; prompts cannot be extended token-exactly"
             )
-        return self._encode(suffix + full[len(self._anchor_text) :])
+        return self._ids(suffix + full[len(self._anchor_text) :])
+
+    def _text(self, messages: Sequence[Mapping[str, Any]]) -> str:
+        """``messages`` rendered with the generation prompt, remembered where exact."""
+        if self._renders is None:
+            return self._render(messages, generation=True)
+        try:
+            key = json.dumps([dict(m) for m in messages], sort_keys=True)
+        except (TypeError, ValueError):  # contents JSON cannot write: rendered each time
+            return self._render(messages, generation=True)
+        return self._renders.get(key, lambda: self._render(messages, generation=True))
+
+    def _ids(self, text: str) -> list[int]:
+        return list(self._encodings.get(text, lambda: tuple(self._encode(text))))
