@@ -84,6 +84,18 @@ def test_messages_json_cannot_write_are_rendered_every_time() -> None:
     assert results[0] == results[1] == _fresh_ids(tok, messages)
 
 
+def test_messages_json_would_confuse_with_others_are_rendered_every_time() -> None:
+    tok, _ = _counting()
+    chat = ChatTokens(tok)
+    # JSON writes a tuple as it writes a list, but the template renders them apart.
+    as_tuple = [{"role": "user", "content": ("1=",)}]
+    as_list = [{"role": "user", "content": ["1="]}]
+    assert _fresh_ids(tok, as_tuple) != _fresh_ids(tok, as_list)
+    assert chat.first(as_tuple) == _fresh_ids(tok, as_tuple)
+    assert chat.first(as_list) == _fresh_ids(tok, as_list)
+    assert chat.first(as_tuple) == _fresh_ids(tok, as_tuple)
+
+
 def test_the_memo_forgets_the_least_recently_used_first() -> None:
     memo = _Memo(2)
     made: list[str] = []

@@ -14,11 +14,11 @@ conversation as the concatenation of its turns (ChatML, Llama 3, Mistral and the
 A template that rewrites earlier turns is refused with a clear error.
 
 Renders and encodings are remembered (a bounded memo per :class:`ChatTokens`, keyed by
-the messages' JSON text and by the text): the samples of a group see the same
-observations, and the worker threads of a multi-turn source would otherwise run the
-template and the tokenizer again for each of them, holding the interpreter lock the
-engine and the trainer wait for. The ids are the same either way. A template that reads
-the clock (``strftime_now``) is rendered every time.
+the messages' JSON text where it reads back as the same messages, and by the text): the
+samples of a group see the same observations, and the worker threads of a multi-turn
+source would otherwise run the template and the tokenizer again for each of them,
+holding the interpreter lock the engine and the trainer wait for. The ids are the same
+either way. A template that reads the clock (``strftime_now``) is rendered every time.
 """
 
 from __future__ import annotations
@@ -154,9 +154,13 @@ class ChatTokens:
         """``messages`` rendered with the generation prompt, remembered where exact."""
         if self._renders is None:
             return self._render(messages, generation=True)
+        plain = [dict(m) for m in messages]
         try:
-            key = json.dumps([dict(m) for m in messages], sort_keys=True)
+            key = json.dumps(plain, sort_keys=True)
         except (TypeError, ValueError):  # contents JSON cannot write: rendered each time
+            return self._render(messages, generation=True)
+        if json.loads(key) != plain:  # a tuple, a key that is not a string, a NaN: JSON
+            # would give another message list the same text, so this one is not remembered
             return self._render(messages, generation=True)
         return self._renders.get(key, lambda: self._render(messages, generation=True))
 
