@@ -90,7 +90,8 @@ STEPS_TARGET = 1.15
 # trained rollout one update older. On tail, where a step is short, the older rollouts
 # cost steps: two ahead keeps both of its targets clear of their limits, where three
 # leaves the steps at the edge. On tail-turns the episodes' tool calls make the step
-# long and the seconds the tight target, so it keeps three. A cut of the slowest samples
+# long and the seconds the tight target, so it keeps three (two ahead took fewer steps
+# on held-out seeds but missed the seconds: profile item 50). A cut of the slowest samples
 # falls on the longest answers and costs steps; `dew plan`'s tail preset gives every
 # sample of a group the same length, so it cannot see that.
 PLANNED = {"tail": "2", "tail-turns": "3"}

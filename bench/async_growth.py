@@ -1,0 +1,104 @@
+"""How much a delay alone slows learning: growth rates of saved sync and async runs.
+
+Early in a run of the heavy-tailed tasks the reward grows by about the same factor each
+step: the more often the policy is right, the more right answers its batches hold to
+learn from. An async run learns from batches its policy sampled ``d`` updates ago (the
+runs' mean lag), so what it learns at an update comes from a policy that many updates
+behind. Take sync's growth per update, ``x[k+1] = x[k] + r * x[k]``; with the same ``r``
+and the delay, ``x[k+1] = x[k] + r * x[k-d]``, whose growth factor ``g`` solves
+``g**d * (g - 1) = r`` (:func:`delayed_growth`). Steps to a reward in that phase then
+scale as ``log(g_sync) / log(g)``; and the reward an async run reports at update ``k`` is that of
+the policy of update ``k - d``, which adds ``d`` steps before it is seen.
+
+For each ``--load`` folder (saved runs of ``bench/async_steps.py`` or
+``bench/vs_trl_tail.py``), the mean reward curve over the seeds of each of two runs
+(``--sync``, ``--async``), the growth per update fitted to ``log`` of its 10-step means
+while they lie between ``--low`` and ``--high`` (:func:`growth_rate`), async's growth as
+the delay predicts it, and the steps ratios, predicted and measured (medians over the
+seeds, as the benchmarks give them). Nothing is run:
+
+    .venv/bin/python bench/async_growth.py --load bench/saved/async_steps_800_turns \\
+        --load bench/saved/async_steps_820_turns --load bench/saved/async_steps_830_turns
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import statistics
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _vs_trl_common import WINDOW
+from vs_trl import load_results
+from vs_trl_tail import reach_steps
+
+
+def window_means(curves: Sequence[Sequence[float]]) -> np.ndarray:
+    """The mean over runs of each step's reward, averaged over ``WINDOW`` steps ending
+    there; the runs cut to the shortest. [runs][steps] -> [steps - WINDOW + 1]."""
+    n = min(len(c) for c in curves)
+    mean = np.mean([np.asarray(c[:n], dtype=float) for c in curves], axis=0)  # [n]
+    return np.convolve(mean, np.ones(WINDOW) / WINDOW, mode="valid")
+
+
+def growth_rate(means: np.ndarray, low: float, high: float) -> float:
+    """The factor the curve grows by per step: ``exp`` of the least-squares slope of
+    ``log(means)`` over the steps whose value lies in ``[low, high]``."""
+    steps = np.flatnonzero((means >= low) & (means <= high))
+    if len(steps) < 3:
+        raise ValueError(f"fewer than 3 steps between {low} and {high}")
+    slope = np.polyfit(steps, np.log(means[steps]), 1)[0]
+    return float(math.exp(slope))
+
+
+def delayed_growth(r: float, d: float) -> float:
+    """The growth factor ``g > 1`` of ``x[k+1] = x[k] + r * x[k-d]``: the root of
+    ``g**d * (g - 1) = r`` (bisection; the left side rises with ``g``)."""
+    if r <= 0 or d < 0:
+        raise ValueError(f"needs r > 0 and d >= 0, got r={r}, d={d}")
+    lo, hi = 1.0, 1.0 + r
+    for _ in range(200):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if mid**d * (mid - 1) < r else (lo, mid)
+    return (lo + hi) / 2
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--load", action="append", required=True, help="a folder of saved runs")
+    ap.add_argument("--task", default="tail-turns")
+    ap.add_argument("--sync", default="sync", help="the synchronous run's label")
+    ap.add_argument("--async", dest="lagged", default="ahead 3", help="the async run's label")
+    ap.add_argument("--low", type=float, default=0.015)
+    ap.add_argument("--high", type=float, default=0.06)
+    args = ap.parse_args()
+    print(
+        "| runs | seeds | growth per update, sync | async, measured | async, the delay's "
+        "prediction | mean lag | steps async / sync: growth alone | with the delay to see it | "
+        "measured |"
+    )
+    print("|---|---|---:|---:|---:|---:|---:|---:|---:|")
+    for folder in args.load:
+        runs = load_results(folder, args.task, [args.sync, args.lagged], every=True)
+        sync, lagged = runs[args.sync], runs[args.lagged]
+        g_sync = growth_rate(window_means([r.rewards for r in sync]), args.low, args.high)
+        g_lag = growth_rate(window_means([r.rewards for r in lagged]), args.low, args.high)
+        lag = statistics.fmean(r.diagnostics.get("lag", 0.0) for r in lagged)
+        g_pred = delayed_growth(g_sync - 1, lag)
+        steps = [statistics.median(reach_steps(r) for r in rs) for rs in (sync, lagged)]
+        growth = math.log(g_sync) / math.log(g_pred)
+        seeds = f"{sync[0].spec.seed}-{sync[-1].spec.seed}"
+        print(
+            f"| {Path(folder).name} | {seeds} | {g_sync:.4f} | {g_lag:.4f} | {g_pred:.4f} | "
+            f"{lag:.2f} | {growth:.3f}x | {growth + lag / steps[0]:.3f}x | "
+            f"{steps[1] / steps[0]:.3f}x |"
+        )
+
+
+if __name__ == "__main__":
+    main()
