@@ -7,8 +7,9 @@ runs' mean lag), so what it learns at an update comes from a policy that many up
 behind. Take sync's growth per update, ``x[k+1] = x[k] + r * x[k]``; with the same ``r``
 and the delay, ``x[k+1] = x[k] + r * x[k-d]``, whose growth factor ``g`` solves
 ``g**d * (g - 1) = r`` (:func:`delayed_growth`). Steps to a reward in that phase then
-scale as ``log(g_sync) / log(g)``; and the reward an async run reports at update ``k`` is that of
-the policy of update ``k - d``, which adds ``d`` steps before it is seen.
+scale as ``log(g_sync) / log(g)``. On top of that, the reward an async run reports at
+update ``k`` is that of update ``k - d``'s policy, which adds ``d`` steps before it is
+seen.
 
 For each ``--load`` folder (saved runs of ``bench/async_steps.py`` or
 ``bench/vs_trl_tail.py``), the mean reward curve over the seeds of each of two runs
