@@ -16,7 +16,9 @@ For each ``--load`` folder (saved runs of ``bench/async_steps.py`` or
 (``--sync``, ``--async``), the growth per update fitted to ``log`` of its 10-step means
 while they lie between ``--low`` and ``--high`` (:func:`growth_rate`), async's growth as
 the delay predicts it, and the steps ratios, predicted and measured (medians over the
-seeds, as the benchmarks give them). Nothing is run:
+seeds, as the benchmarks give them). With ``--detail``, for each of the two runs also the
+step at which its mean curve first reaches each of ``MARKS`` (where along the run the
+steps are lost), and where its seconds went (:func:`step_split`). Nothing is run:
 
     .venv/bin/python bench/async_growth.py --load bench/saved/async_steps_800_turns \\
         --load bench/saved/async_steps_820_turns --load bench/saved/async_steps_830_turns
@@ -30,6 +32,7 @@ import statistics
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -38,6 +41,9 @@ from _vs_trl_common import WINDOW
 from vs_trl import load_results
 from vs_trl_tail import reach_steps
 
+MARKS = (0.03, 0.06, 0.09, 0.12)  # rewards whose first step --detail reports
+SKIP = 20  # the first steps, slower in every mode, reported apart by --detail
+
 
 def window_means(curves: Sequence[Sequence[float]]) -> np.ndarray:
     """The mean over runs of each step's reward, averaged over ``WINDOW`` steps ending
@@ -45,6 +51,33 @@ def window_means(curves: Sequence[Sequence[float]]) -> np.ndarray:
     n = min(len(c) for c in curves)
     mean = np.mean([np.asarray(c[:n], dtype=float) for c in curves], axis=0)  # [n]
     return np.convolve(mean, np.ones(WINDOW) / WINDOW, mode="valid")
+
+
+def first_steps(means: np.ndarray, levels: Sequence[float]) -> list[int | None]:
+    """For each level, the 1-based step ending the first window of ``means`` (as
+    :func:`window_means` gives them) at or above it; None when none is."""
+    out: list[int | None] = []
+    for level in levels:
+        hits = np.flatnonzero(means >= level)
+        out.append(int(hits[0]) + WINDOW if len(hits) else None)
+    return out
+
+
+def step_split(
+    step_seconds: Sequence[float], idle: Sequence[float], skip: int = SKIP
+) -> tuple[float, float, float, float]:
+    """(seconds a step, of it the trainer's wait for its batch, the rest) as means over
+    the steps after the first ``skip``, and the mean seconds of those first steps.
+    ``step_seconds`` is the clock at the end of each step, ``idle`` each step's wait."""
+    took = np.diff(np.asarray(step_seconds, dtype=float), prepend=0.0)  # [steps]
+    wait = np.asarray(idle, dtype=float)  # [steps]
+    late = slice(skip, None)
+    return (
+        float(took[late].mean()),
+        float(wait[late].mean()),
+        float((took - wait)[late].mean()),
+        float(took[:skip].mean()),
+    )
 
 
 def growth_rate(means: np.ndarray, low: float, high: float) -> float:
@@ -77,7 +110,9 @@ def main() -> None:
     ap.add_argument("--async", dest="lagged", default="ahead 3", help="the async run's label")
     ap.add_argument("--low", type=float, default=0.015)
     ap.add_argument("--high", type=float, default=0.06)
+    ap.add_argument("--detail", action="store_true", help="reward marks and step seconds too")
     args = ap.parse_args()
+    details: list[str] = []
     print(
         "| runs | seeds | growth per update, sync | async, measured | async, the delay's "
         "prediction | mean lag | steps async / sync: growth alone | with the delay to see it | "
@@ -99,6 +134,26 @@ def main() -> None:
             f"{lag:.2f} | {growth:.3f}x | {growth + lag / steps[0]:.3f}x | "
             f"{steps[1] / steps[0]:.3f}x |"
         )
+        for label in (args.sync, args.lagged):
+            details.append(_detail(Path(folder).name, seeds, label, runs[label]))
+    if args.detail:
+        marks = " | ".join(f"{m:g}" for m in MARKS)
+        print(
+            f"\n| runs | seeds | run | first step at {marks} | seconds a step | trainer waits "
+            f"| trainer works | first {SKIP} steps, per step |"
+        )
+        print("|---|---|---|" + "---:|" * (len(MARKS) + 4))
+        print("\n".join(details))
+
+
+def _detail(name: str, seeds: str, label: str, runs: Sequence[Any]) -> str:
+    """One --detail row: the run's reward marks, and its step seconds over the seeds
+    (the range, lowest to highest)."""
+    at = first_steps(window_means([r.rewards for r in runs]), MARKS)
+    split = np.array([step_split(r.step_seconds, r.idle) for r in runs])  # [seeds, 4]
+    spans = [f"{lo:.3f}-{hi:.3f}" for lo, hi in zip(split.min(0), split.max(0), strict=True)]
+    marks = " | ".join("-" if a is None else str(a) for a in at)
+    return f"| {name} | {seeds} | {label} | {marks} | {' | '.join(spans)} |"
 
 
 if __name__ == "__main__":

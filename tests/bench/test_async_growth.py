@@ -57,3 +57,30 @@ def test_the_table_from_the_saved_runs_matches_their_growth() -> None:
     assert abs(g_measured - g_predicted) < 0.003  # these runs grew as the delay predicts
     alone = math.log(g_sync) / math.log(g_predicted)
     assert float(cells[6].rstrip("x")) == pytest.approx(alone, abs=2e-3)  # from rounded g
+
+
+def test_first_steps_name_the_step_that_ends_the_first_window_at_a_level() -> None:
+    means = np.array([0.01, 0.02, 0.04, 0.05])  # window i ends at step i + WINDOW
+    assert growth.first_steps(means, [0.02, 0.045, 0.9]) == [
+        1 + growth.WINDOW,
+        3 + growth.WINDOW,
+        None,
+    ]
+
+
+def test_step_split_parts_a_step_into_wait_and_work_after_the_first_steps() -> None:
+    # steps of 2, 1, 1, 3 s (the clock at each step's end), waits of 1, 0.5, 0.25, 1 s
+    took, waited, worked, first = growth.step_split([2, 3, 4, 7], [1, 0.5, 0.25, 1], skip=2)
+    assert (took, waited, worked, first) == pytest.approx((2.0, 0.625, 1.375, 1.5))
+
+
+@pytest.mark.timeout(60)
+def test_detail_adds_a_row_per_run() -> None:
+    out = subprocess.run(
+        [sys.executable, str(BENCH / "async_growth.py"), "--task", "tail", "--detail",
+         "--load", str(BENCH / "saved" / "async_steps_810_tail")],
+        capture_output=True, text=True, timeout=60, check=True,
+    )  # fmt: skip
+    rows = [line for line in out.stdout.splitlines() if " | 810-819 | " in line]
+    assert [r.split(" | ")[2] for r in rows[1:]] == ["sync", "ahead 3"]
+    assert all(len(r.strip("|").split("|")) == 11 for r in rows[1:])
