@@ -25,9 +25,10 @@ over ``_stats.QUIET`` is marked as measured under load.
     .venv/bin/python bench/async_steps.py --task tail --seeds 100,101,102,103,104 --write
 
 ``--save DIR`` keeps every run's result; ``--load DIR`` renders them again without
-running anything; ``--write`` replaces this task's ``## async steps`` section of
-bench/RESULTS.md (``--title T``: the section ``## async steps: TASK, T`` instead);
-``--tiny`` runs two small steps of two variants and writes nothing.
+running anything (those of ``--seeds`` only, when given); ``--write`` replaces this
+task's ``## async steps`` section of bench/RESULTS.md (``--title T``: the section
+``## async steps: TASK, T`` instead); ``--tiny`` runs two small steps of two variants
+and writes nothing.
 """
 
 from __future__ import annotations
@@ -47,6 +48,7 @@ from vs_trl import load_results, parse_seeds, run_provenance, run_worker, save_r
 from vs_trl_tail import THRESHOLDS, paired, ratio_text, reach_seconds, reach_steps
 
 SYNC = "sync"
+DEFAULT_SEEDS = "100,101,102,103,104"
 _A2 = {"ahead": 2, "max_lag": 2}
 # name -> DemoConfig fields on top of the task's tuned ones (ahead and max_lag aside:
 # importance cap 10, the behavior clip on both sides). The first is the baseline every
@@ -215,7 +217,11 @@ def ran_with(measured: list[RunResult]) -> str:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--task", default="tail", choices=sorted(THRESHOLDS))
-    ap.add_argument("--seeds", default="100,101,102,103,104", help="comma-separated seeds")
+    ap.add_argument(
+        "--seeds",
+        default=None,
+        help=f"comma-separated seeds (default {DEFAULT_SEEDS}; with --load, every saved seed)",
+    )
     ap.add_argument(
         "--variant",
         action="append",
@@ -234,7 +240,8 @@ def main() -> None:
         "--title", default=None, help="written as '## async steps: TASK, TITLE' (another section)"
     )
     args = ap.parse_args()
-    args.seeds = parse_seeds(args.seeds)
+    picked = args.seeds is not None
+    args.seeds = parse_seeds(args.seeds if picked else DEFAULT_SEEDS)
     args.dew_threads = args.threads  # what run_provenance reads
     variants = dict(parse_variant(v) for v in args.variant) if args.variant else dict(VARIANTS)
     if not args.seeds or min(args.threads, args.max_steps, args.at) < 1:
@@ -249,6 +256,14 @@ def main() -> None:
     t0 = time.monotonic()
     if args.load:
         results = load_results(args.load, args.task, list(variants))
+        if picked:  # only these seeds' saved runs, say to render a half of them
+            results = {
+                name: kept
+                for name, runs in results.items()
+                if (kept := [r for r in runs if r.spec.seed in args.seeds])
+            }
+            if not results:
+                raise SystemExit(f"--load {args.load}: no saved runs of seeds {args.seeds}")
     else:
         results = run_all(args.task, variants, args)
     elapsed = time.monotonic() - t0

@@ -83,3 +83,27 @@ def test_the_table_pairs_each_variant_with_sync_seed_by_seed(tmp_path: Path) -> 
     assert "| 22.0 (20.0-24.0) | - |" in out.stdout
     assert "| 2.00 | 40.0 | - | - | 1.25% |" in out.stdout  # lag, lengths, KL, behavior clip
     assert "quiet: other work took at most 0.01 cores" in out.stdout
+
+
+@pytest.mark.timeout(120)
+def test_load_with_seeds_renders_only_those_seeds(tmp_path: Path) -> None:
+    for seed, (sync, ahead) in enumerate([(100, 110), (120, 120), (110, 132)]):
+        _saved(tmp_path, "sync", seed, sync, 0)
+        _saved(tmp_path, "a2", seed, ahead, 2)
+    (tmp_path / "run.json").write_text(json.dumps({"command": "saved"}))
+
+    def render(*seeds: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [sys.executable, str(BENCH / "async_steps.py"), "--load", str(tmp_path),
+             "--variant", "sync:ahead=0", "--variant", "a2:ahead=2", *seeds],
+            capture_output=True, text=True, timeout=100, check=False,
+        )  # fmt: skip
+
+    half = render("--seeds", "1,2")
+    assert half.returncode == 0, half.stderr[-3000:]
+    assert "### tail (seeds 1, 2)" in half.stdout
+    assert "| a2 | 1-2 | 120, 132 |" in half.stdout
+    assert "| sync | 1-2 | 120, 110 |" in half.stdout
+    assert "| a2 | 0-2 | 110, 120, 132 |" in render().stdout  # no --seeds: every saved seed
+    none = render("--seeds", "7")
+    assert none.returncode != 0 and "no saved runs of seeds [7]" in none.stderr
