@@ -122,8 +122,9 @@ def main() -> None:
     for folder in args.load:
         runs = load_results(folder, args.task, [args.sync, args.lagged], every=True)
         sync, lagged = runs[args.sync], runs[args.lagged]
-        g_sync = growth_rate(window_means([r.rewards for r in sync]), args.low, args.high)
-        g_lag = growth_rate(window_means([r.rewards for r in lagged]), args.low, args.high)
+        means = {k: window_means([r.rewards for r in runs[k]]) for k in (args.sync, args.lagged)}
+        g_sync = growth_rate(means[args.sync], args.low, args.high)
+        g_lag = growth_rate(means[args.lagged], args.low, args.high)
         lag = statistics.fmean(r.diagnostics.get("lag", 0.0) for r in lagged)
         g_pred = delayed_growth(g_sync - 1, lag)
         steps = [statistics.median(reach_steps(r) for r in rs) for rs in (sync, lagged)]
@@ -134,8 +135,9 @@ def main() -> None:
             f"{lag:.2f} | {growth:.3f}x | {growth + lag / steps[0]:.3f}x | "
             f"{steps[1] / steps[0]:.3f}x |"
         )
-        for label in (args.sync, args.lagged):
-            details.append(_detail(Path(folder).name, seeds, label, runs[label]))
+        if args.detail:
+            for label in (args.sync, args.lagged):
+                details.append(_detail(Path(folder).name, seeds, label, runs[label], means[label]))
     if args.detail:
         marks = " | ".join(f"{m:g}" for m in MARKS)
         print(
@@ -146,10 +148,11 @@ def main() -> None:
         print("\n".join(details))
 
 
-def _detail(name: str, seeds: str, label: str, runs: Sequence[Any]) -> str:
-    """One --detail row: the run's reward marks, and its step seconds over the seeds
-    (the range, lowest to highest)."""
-    at = first_steps(window_means([r.rewards for r in runs]), MARKS)
+def _detail(name: str, seeds: str, label: str, runs: Sequence[Any], means: np.ndarray) -> str:
+    """One --detail row: the reward marks of the runs' mean curve ``means`` (as
+    :func:`window_means` gives it), and their step seconds over the seeds (the range,
+    lowest to highest)."""
+    at = first_steps(means, MARKS)
     split = np.array([step_split(r.step_seconds, r.idle) for r in runs])  # [seeds, 4]
     spans = [f"{lo:.3f}-{hi:.3f}" for lo, hi in zip(split.min(0), split.max(0), strict=True)]
     marks = " | ".join("-" if a is None else str(a) for a in at)
