@@ -48,7 +48,7 @@ import math
 import statistics
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from importlib.util import find_spec
 from pathlib import Path
 from typing import Any
@@ -99,39 +99,28 @@ PLANNED = {"tail": "2", "tail-turns": "3"}
 
 @dataclass(frozen=True)
 class Policy:
-    """dew's scheduling policy for the run (``--policy ahead[,os=N][,warmup=N]``; warmup is
-    the scheduler's ``ahead_warmup``)."""
+    """dew's scheduling policy for the run (``--policy ahead[,os=N]``)."""
 
     ahead: int = 1
     oversample: int = 0
-    warmup: int = 0
 
     @classmethod
     def parse(cls, text: str) -> Policy:
         head, *rest = text.split(",")
-        form = "ahead[,os=N][,warmup=N]"
         try:
             ahead = int(head)
             extra = dict(part.split("=", 1) for part in rest)
             oversample = int(extra.pop("os", 0))
-            warmup = int(extra.pop("warmup", 0))
         except ValueError:
-            raise SystemExit(f"--policy {text!r}: {form}, e.g. 2,os=2") from None
-        if extra or min(ahead, oversample, warmup) < 0:
-            raise SystemExit(f"--policy {text!r}: {form} with whole numbers >= 0")
-        return cls(ahead, oversample, warmup)
-
-    @property
-    def overrides(self) -> dict[str, int]:
-        """The DemoConfig fields the policy sets beyond ahead and oversample."""
-        return {"ahead_warmup": self.warmup} if self.warmup else {}
+            raise SystemExit(f"--policy {text!r}: ahead[,os=N], e.g. 2,os=2") from None
+        if extra or ahead < 0 or oversample < 0:
+            raise SystemExit(f"--policy {text!r}: ahead[,os=N] with whole numbers >= 0")
+        return cls(ahead, oversample)
 
     def label(self, engines: int = 0) -> str:
         parts = [f"ahead {self.ahead}"]
         if self.oversample:
             parts.append(f"os {self.oversample}")
-        if self.warmup:
-            parts.append(f"warmup {self.warmup}")
         if engines:
             parts.append(f"{engines} engine processes")
         return f"dew ({', '.join(parts)})"
@@ -146,7 +135,6 @@ class Run:
     ahead: int = 1
     oversample: int = 0
     engines: int = 0
-    overrides: dict[str, int] = field(default_factory=dict)
 
 
 def saved_policy(folder: str, task: str) -> Policy:
@@ -157,7 +145,7 @@ def saved_policy(folder: str, task: str) -> Policy:
         for path in Path(folder).glob(f"{task}-dew_(ahead_*.json")
         if "engine_processes" not in path.name
     ]
-    found = {(s.ahead, s.oversample, s.overrides.get("ahead_warmup", 0)) for s in specs}
+    found = {(spec.ahead, spec.oversample) for spec in specs}
     if len(found) != 1:
         saved = found or "none"
         raise SystemExit(f"--load {folder}: pass --policy (saved {task} policies: {saved})")
@@ -176,11 +164,10 @@ def task_policies(tasks: list[str], policy: str | None, load: str | None) -> dic
 
 def _runs(policy: Policy, fleet: int) -> list[Run]:
     """dew with the policy, the same on a fleet (when ``fleet``), dew sync, TRL."""
-    ours = Run(policy.label(), "dew", policy.ahead, policy.oversample, 0, policy.overrides)
+    ours = Run(policy.label(), "dew", policy.ahead, policy.oversample)
     runs = [ours]
     if fleet:
-        fleets = policy.label(fleet)
-        runs.append(Run(fleets, "dew", policy.ahead, policy.oversample, fleet, policy.overrides))
+        runs.append(Run(policy.label(fleet), "dew", policy.ahead, policy.oversample, fleet))
     return [*runs, Run("dew sync (ahead 0)", "dew", 0), Run("TRL GRPOTrainer", "trl")]
 
 
@@ -199,7 +186,6 @@ def run_task(task: str, runs: list[Run], args: argparse.Namespace) -> dict[str, 
                 ahead=run.ahead,
                 oversample=run.oversample,
                 engines=run.engines,
-                overrides=run.overrides,
                 threshold=THRESHOLDS[task],
                 small=args.tiny,
             )

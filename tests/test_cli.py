@@ -158,13 +158,11 @@ def test_demo_scheduling_flags_reach_the_scheduler(tmp_path: Path) -> None:
 
     run = tmp_path / "run"
     flags = ["--ahead", "2", "--max-lag", "3", "--oversample", "1", "--admit", "1"]
-    flags += ["--ahead-warmup", "4"]
     argv = ["demo", "--steps", "2", "--batch-size", "2", "--no-progress", "--run-dir", str(run)]
     assert main([*argv, *flags]) == 0
-    knobs = ("ahead", "max_lag", "oversample", "admit", "ahead_warmup")
     config = json.loads((run / "config.json").read_text())
-    assert [config[k] for k in knobs] == [2, 3, 1, 1, 4]
+    assert [config[k] for k in ("ahead", "max_lag", "oversample", "admit")] == [2, 3, 1, 1]
     records = [json.loads(line) for line in (run / "records.jsonl").read_text().splitlines()]
     policy = records[-1]["profile"]["policy"]
-    assert [policy[k] for k in knobs] == [2, 3, 1, 1, 4]
+    assert [policy[k] for k in ("ahead", "max_lag", "oversample", "admit")] == [2, 3, 1, 1]
     assert records[-1]["scheduler"]["groups"] == 1  # admit 1 of the batch's 2 tasks

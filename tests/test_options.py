@@ -21,7 +21,7 @@ import pytest
 from dew.core import ThreadedSource
 from dew.gateway import HarnessSource
 from dew.job.rewards import combine, load_reward
-from dew.objectives.rl import GRPOObjective, RolloutScheduler, SchedulerConfig
+from dew.objectives.rl import GRPOObjective, RolloutScheduler
 from dew.objectives.rl.sources import EnvironmentSource, PromptSource
 from dew.recipe import Recipe
 from dew.train import fit
@@ -39,33 +39,23 @@ CWD = f"{HARNESS}::test_cwd_sets_the_subprocess_directory_and_max_output_bytes_k
 FIT = "train/test_fit.py"
 FAULTS = "job/test_reward_pool.py::test_each_way_a_reward_can_fail_is_that_calls_error_naming_it"
 
-# The knobs of SchedulerConfig that the scheduler's constructor also takes.
-SCHEDULER_KNOBS = {
-    "groups": "objectives/rl/test_scheduler_config.py::test_non_default_knobs_take_effect",
-    "oversample": f"{SCHEDULER}::test_oversample_admits_first_finishers_and_cancels_rest",
-    "admit": f"{SCHEDULER}::test_admit_takes_first_groups_and_cancels_others",
-    "max_lag": f"{SCHEDULER}::test_stale_finished_rollout_is_discarded_and_resubmitted",
-    "ahead": f"{SCHEDULER}::test_ahead_submits_next_batches_under_served_version",
-    "sync_every": f"{SCHEDULER}::test_pushes_first_call_sync_every_and_after_reopen",
-    "max_attempts": f"{SCHEDULER}::test_max_attempts_abandons_group_rest_still_trains",
-    "timeout": f"{SCHEDULER}::test_timeout_cancels_and_resubmits_as_failed_attempt",
-    "estimator": f"{SCHEDULER}::test_the_estimator_sets_the_packed_advantages",
-    "truncation": f"{SCHEDULER}::test_score_truncation_without_reward_is_unscored",
-    "support_capacity": (
-        f"{SCHEDULER}::test_support_capacity_packs_the_support_of_filtered_sampling"
-    ),
-}
-
 EFFECT_TESTS: dict[Callable[..., Any], dict[str, str]] = {
     RolloutScheduler: {
         "tasks": f"{SCHEDULER}::test_tasks_turns_each_batch_into_the_sources_tasks",
-        **SCHEDULER_KNOBS,
+        "groups": "objectives/rl/test_scheduler_config.py::test_non_default_knobs_take_effect",
+        "oversample": f"{SCHEDULER}::test_oversample_admits_first_finishers_and_cancels_rest",
+        "admit": f"{SCHEDULER}::test_admit_takes_first_groups_and_cancels_others",
+        "max_lag": f"{SCHEDULER}::test_stale_finished_rollout_is_discarded_and_resubmitted",
+        "ahead": f"{SCHEDULER}::test_ahead_submits_next_batches_under_served_version",
+        "sync_every": f"{SCHEDULER}::test_pushes_first_call_sync_every_and_after_reopen",
+        "max_attempts": f"{SCHEDULER}::test_max_attempts_abandons_group_rest_still_trains",
+        "timeout": f"{SCHEDULER}::test_timeout_cancels_and_resubmits_as_failed_attempt",
+        "estimator": f"{SCHEDULER}::test_the_estimator_sets_the_packed_advantages",
+        "truncation": f"{SCHEDULER}::test_score_truncation_without_reward_is_unscored",
+        "support_capacity": (
+            f"{SCHEDULER}::test_support_capacity_packs_the_support_of_filtered_sampling"
+        ),
         "log": f"{SCHEDULER}::test_record_fields",
-    },
-    # dew's knobs beyond the reference page's constructor, set through from_config
-    SchedulerConfig: {
-        **SCHEDULER_KNOBS,
-        "ahead_warmup": f"{SCHEDULER}::test_ahead_warmup_holds_a_batch_back_for_its_first_updates",
     },
     GRPOObjective: {
         "clip": KNOBS,

@@ -37,7 +37,6 @@ def _demo(args: argparse.Namespace) -> int:
             "harness_processes",
             "tensor",
             "ahead",
-            "ahead_warmup",
             "max_lag",
             "oversample",
             "admit",
@@ -124,12 +123,6 @@ def parser() -> argparse.ArgumentParser:
     )
     demo.add_argument(
         "--ahead", type=int, default=None, help="task batches in flight ahead of the trainer"
-    )
-    demo.add_argument(
-        "--ahead-warmup",
-        type=int,
-        default=None,
-        help="updates at the start with one batch fewer ahead (default 0)",
     )
     demo.add_argument(
         "--max-lag", type=int, default=None, help="oldest weights a trained rollout may use"

@@ -28,11 +28,10 @@ def _saved(
     load: float | None = 0.02,
     objective: str = "",
     task: str = "tail",
-    overrides: dict[str, int] | None = None,
 ) -> None:
     spec = RunSpec(
         system, task, seed=seed, threads=1, max_seconds=900.0, max_steps=400,
-        stop_at_reward=True, ahead=ahead, threshold=0.15, overrides=overrides or {},
+        stop_at_reward=True, ahead=ahead, threshold=0.15,
     )  # fmt: skip
     # reward 0 but for the last two steps: the first window of ten whose mean reaches
     # 0.15 ends at the last step, at ``reach`` seconds
@@ -123,21 +122,6 @@ def test_each_task_runs_its_own_planned_policy_unless_one_is_given() -> None:
     assert policies == {"tail": tail.Policy(2, 0), "tail-turns": tail.Policy(3, 0)}
     given = tail.task_policies(["tail", "tail-turns"], "1,os=2", None)
     assert set(given.values()) == {tail.Policy(1, 2)}
-
-
-def test_a_policy_with_a_warmup_runs_and_is_read_back_with_it(tmp_path: Path) -> None:
-    tail = bench_module("vs_trl_tail")
-    policy = tail.Policy.parse("3,warmup=40")
-    assert policy == tail.Policy(3, 0, 40) and policy.label() == "dew (ahead 3, warmup 40)"
-    ours = tail._runs(policy, fleet=0)[0]
-    assert (ours.ahead, ours.overrides) == (3, {"ahead_warmup": 40})
-    assert tail._runs(tail.Policy(3), fleet=0)[0].overrides == {}
-    _saved(
-        tmp_path, policy.label(), "dew", 10.0, ahead=3, task="tail-turns", overrides=ours.overrides
-    )
-    assert tail.saved_policy(str(tmp_path), "tail-turns") == policy
-    with pytest.raises(SystemExit, match="warmup=N"):
-        tail.Policy.parse("3,warmup=-1")
 
 
 @pytest.mark.timeout(120)

@@ -77,7 +77,6 @@ class DemoConfig:
     temperature: float = 1.0
     # The scheduler's own defaults unless a task says otherwise (written once, there).
     ahead: int = _SCHEDULER.ahead
-    ahead_warmup: int = _SCHEDULER.ahead_warmup
     max_lag: int = _SCHEDULER.max_lag
     oversample: int = _SCHEDULER.oversample
     admit: int | None = _SCHEDULER.admit
@@ -141,7 +140,6 @@ class DemoConfig:
             oversample=self.oversample,
             admit=self.admit,
             ahead=self.ahead,
-            ahead_warmup=self.ahead_warmup,
             max_lag=self.max_lag,
             truncation=self.truncation,
             estimator=self.estimator,

@@ -321,7 +321,6 @@ def fit_records(
         admit=policy_json["admit"],
         max_lag=int(policy_json["max_lag"]),
         ahead=int(policy_json["ahead"]),
-        ahead_warmup=int(policy_json.get("ahead_warmup", 0)),  # not in older records
         sync_every=int(policy_json["sync_every"]),
     )
     if cancelled.count:

@@ -106,29 +106,6 @@ def test_call_submits_the_handed_batch_and_ahead_more_each_once() -> None:
     assert adm.call(0, 0.0) == []
 
 
-def test_ahead_warmup_keeps_one_batch_fewer_ahead_until_its_update() -> None:
-    adm = admission(ahead=2, ahead_warmup=2)
-    for name in "abcdef":
-        adm.register([Task(name)])
-
-    def hand_over(updates: int) -> str:
-        """The tasks the call at ``updates`` starts; then its batch trains."""
-        adm.pushed(updates)
-        actions = adm.call(updates, 0.0)
-        (key,) = [k for k in adm._running if k.group == updates]  # the handed batch's
-        finish(adm, key, versions=(updates,))
-        consumed, _ = adm.consume(updates, 0.0)
-        assert consumed is not None and len(consumed.groups) == 1
-        return "".join(a.task.id for a in actions if isinstance(a, Start))
-
-    # Updates 0 and 1 are in the warm-up: the handed batch and one more.
-    assert hand_over(0) == "ab"
-    assert hand_over(1) == "c"
-    # From update 2 on, two ahead: the call starts the two batches it had held back.
-    assert hand_over(2) == "de"
-    assert hand_over(3) == "f"
-
-
 def test_a_closed_machine_refuses_work_and_reports_why() -> None:
     adm = admission()
     adm.register([Task("a")])

@@ -78,7 +78,6 @@ def test_a_steps_profile_holds_hand_worked_figures_and_only_what_came_since_the_
     assert p["format"] == PROFILE_FORMAT
     assert p["policy"] == {
         "ahead": 1,
-        "ahead_warmup": 0,
         "max_lag": 1,
         "oversample": 0,
         "admit": 3,

@@ -39,9 +39,6 @@ class _Objective:
         ({"admit": 0}, "admit=0: must be None or an int >= 1"),
         ({"max_lag": -1}, "max_lag=-1: must be an int >= 0"),
         ({"ahead": -1}, "ahead=-1: must be an int >= 0"),
-        ({"ahead_warmup": -1}, "ahead_warmup=-1: must be an int >= 0"),
-        ({"ahead_warmup": 2.0}, "ahead_warmup=2.0: must be an int >= 0"),
-        ({"ahead": 0, "max_lag": 0, "ahead_warmup": 5}, "ahead_warmup=5: needs ahead >= 1"),
         ({"sync_every": 0}, "sync_every=0: must be an int >= 1"),
         ({"max_attempts": 0}, "max_attempts=0: must be an int >= 1"),
         ({"timeout": 0}, "timeout=0: must be None or > 0 seconds"),
@@ -76,7 +73,6 @@ def test_defaults_are_the_reference_pages_and_written_once() -> None:
         "admit": None,
         "max_lag": 1,
         "ahead": 1,
-        "ahead_warmup": 0,  # dew's own knob, not the reference page's: off by default
         "sync_every": 1,
         "max_attempts": 3,
         "timeout": None,
@@ -85,12 +81,8 @@ def test_defaults_are_the_reference_pages_and_written_once() -> None:
         "support_capacity": None,
     }
     sig = inspect.signature(RolloutScheduler)
-    fields = {f.name for f in dataclasses.fields(SchedulerConfig)}
-    # The constructor keeps the reference page's signature: dew's own knob is set
-    # through a config (from_config).
-    assert fields - set(sig.parameters) == {"ahead_warmup"}
-    for name in fields & set(sig.parameters):
-        assert sig.parameters[name].default == getattr(config, name), name
+    for f in dataclasses.fields(SchedulerConfig):
+        assert sig.parameters[f.name].default == getattr(config, f.name), f.name
     with pytest.raises(dataclasses.FrozenInstanceError):
         config.ahead = 2  # type: ignore[misc]
 
@@ -114,17 +106,6 @@ def test_name_labels_the_knobs_that_shape_throughput() -> None:
     assert SchedulerConfig.tight(ahead=1, oversample=2).name == "ahead 1 + oversample 2"
     assert SchedulerConfig(admit=3, max_lag=2).name == "ahead 1 + admit 3 + max_lag 2"
     assert SchedulerConfig.tight(sync_every=2).name == "ahead 1 + sync_every 2"
-    warm = SchedulerConfig.tight(ahead=3, ahead_warmup=40)
-    assert warm.name == "ahead 3 + ahead_warmup 40"
-
-
-def test_ahead_at_holds_one_batch_back_until_the_warmup_ends() -> None:
-    warm = SchedulerConfig.tight(ahead=3, ahead_warmup=40)
-    assert [warm.ahead_at(u) for u in (0, 39, 40, 1000)] == [2, 2, 3, 3]
-    # Under ahead 1 the warm-up is synchronous; the floor stays the full lead's.
-    one = SchedulerConfig.tight(ahead=1, ahead_warmup=2)
-    assert [one.ahead_at(u) for u in (0, 1, 2)] == [0, 0, 1] and one.max_lag == 1
-    assert [SchedulerConfig(ahead=2, max_lag=2).ahead_at(u) for u in (0, 5)] == [2, 2]
 
 
 # ---------------------------------------------------------------- the scheduler's seams

@@ -28,9 +28,7 @@ Invariants (checked by the hypothesis state-machine test):
   twice;
 * a sample never fails more than ``max_attempts`` times; a group keeps
   ``min(needed + oversample, startable)`` samples running until it resolves;
-* a group is handed to the trainer at most once, and never when abandoned or dropped;
-* nothing of a batch starts before a trainer call at ``updates`` finds it among the
-  oldest ``config.ahead_at(updates) + 1`` registered batches.
+* a group is handed to the trainer at most once, and never when abandoned or dropped.
 """
 
 from __future__ import annotations
@@ -164,10 +162,9 @@ class Consumed:
 class Admission:
     """Groups, samples, attempts, staleness and admission for one scheduler.
 
-    It reads ``groups``, ``oversample``, ``admit``, ``max_lag``, ``ahead`` (through
-    ``ahead_at``, which also reads ``ahead_warmup``), ``max_attempts``, ``timeout``
-    and ``truncation`` from ``config``; weight pushes (``sync_every``) and packing are
-    the driver's. Every mutating method returns the
+    It reads ``groups``, ``oversample``, ``admit``, ``max_lag``, ``ahead``,
+    ``max_attempts``, ``timeout`` and ``truncation`` from ``config``; weight pushes
+    (``sync_every``) and packing are the driver's. Every mutating method returns the
     actions to carry out, in order.
     """
 
@@ -240,13 +237,13 @@ class Admission:
         """The trainer hands over the oldest registered batch at ``updates``.
 
         Sweeps staleness across everything live, then submits the handed batch (if it
-        was not yet) and the next ``config.ahead_at(updates)`` registered batches.
+        was not yet) and the next ``ahead`` registered batches.
         """
         self._check_open()
         if not self._batches:
             raise RuntimeError("no registered batch: read the batch from scheduler.tasks(dataset)")
         actions = self._sweep_stale(updates, now, self._batches)
-        for b in self._batches[: self.config.ahead_at(updates) + 1]:
+        for b in self._batches[: self.config.ahead + 1]:
             if not b.submitted:
                 actions += self._submit(b, now)
         return actions

@@ -83,12 +83,6 @@ class SchedulerConfig:
     and the truncation policy, by registered name or as a function; ``support_capacity``
     (None: no support rows) is pack's per-row support length.
 
-    ``ahead_warmup`` (0: none) is how many updates a run starts with one task batch
-    fewer ahead (``ahead - 1``; synchronous under ``ahead=1``). Early in a run the
-    policy moves furthest per update, so a batch sampled one update sooner teaches the
-    most there, and the completions are longest, so the engine rather than the trainer
-    sets the pace and the extra batch buys little throughput (:meth:`ahead_at`).
-
     ``max_lag`` may not be below :attr:`lag_floor`; :meth:`tight` builds the config
     whose ``max_lag`` is exactly that.
     """
@@ -98,7 +92,6 @@ class SchedulerConfig:
     admit: int | None = None
     max_lag: int = 1
     ahead: int = 1
-    ahead_warmup: int = 0
     sync_every: int = 1
     max_attempts: int = 3
     timeout: float | None = None
@@ -109,12 +102,11 @@ class SchedulerConfig:
     def __post_init__(self) -> None:
         for name in ("groups", "max_attempts", "sync_every"):
             _whole(name, getattr(self, name), 1)
-        for name in ("oversample", "ahead", "ahead_warmup", "max_lag"):
+        for name in ("oversample", "ahead", "max_lag"):
             _whole(name, getattr(self, name), 0)
         if self.admit is not None and not (_is_int(self.admit) and self.admit >= 1):
             _refuse("admit", self.admit, "must be None or an int >= 1")
-        ints = ("groups", "oversample", "admit", "max_lag", "ahead", "ahead_warmup", "sync_every")
-        for name in ints:
+        for name in ("groups", "oversample", "admit", "max_lag", "ahead", "sync_every"):
             value = getattr(self, name)  # a numpy integer is kept as the int it is
             if value is not None:
                 object.__setattr__(self, name, int(value))
@@ -140,8 +132,6 @@ class SchedulerConfig:
                 "learned: use groups >= 2 (or pass your own estimator function)",
             )
         truncation_policy(self.truncation)  # raises naming truncation
-        if self.ahead_warmup and not self.ahead:
-            _refuse("ahead_warmup", self.ahead_warmup, "needs ahead >= 1: no batch is ahead")
         floor = self.lag_floor
         if self.max_lag < floor:
             raise ValueError(
@@ -157,12 +147,6 @@ class SchedulerConfig:
         engine or a source's worker pool sized below ``tasks * in_flight_per_task``
         queues some of them."""
         return (self.groups + self.oversample) * (self.ahead + 1)
-
-    def ahead_at(self, updates: int) -> int:
-        """Task batches kept ahead when the trainer hands over a batch at ``updates``:
-        ``ahead - 1`` while ``updates < ahead_warmup``, ``ahead`` from then on. A
-        function of the update count alone, so a resumed run keeps the same schedule."""
-        return self.ahead - 1 if updates < self.ahead_warmup else self.ahead
 
     @property
     def lag_floor(self) -> int:
@@ -193,13 +177,11 @@ class SchedulerConfig:
     def name(self) -> str:
         """A short label of the knobs that shape throughput, for tables and plots.
 
-        ``"sync"`` or ``"ahead N"``, then ``ahead_warmup``, ``sync_every``,
-        ``oversample`` and ``admit`` when set, and ``max_lag`` when it is looser than
-        :attr:`lag_floor`; for example ``"ahead 1 + oversample 2"``.
+        ``"sync"`` or ``"ahead N"``, then ``sync_every``, ``oversample`` and ``admit``
+        when set, and ``max_lag`` when it is looser than :attr:`lag_floor`; for
+        example ``"ahead 1 + oversample 2"``.
         """
         parts = ["sync" if self.ahead == 0 else f"ahead {self.ahead}"]
-        if self.ahead_warmup:
-            parts.append(f"ahead_warmup {self.ahead_warmup}")
         if self.sync_every != 1:
             parts.append(f"sync_every {self.sync_every}")
         if self.oversample:

@@ -117,7 +117,6 @@ class StepProfiler:
             "format": PROFILE_FORMAT,
             "policy": {
                 "ahead": config.ahead,
-                "ahead_warmup": config.ahead_warmup,
                 "max_lag": config.max_lag,
                 "oversample": config.oversample,
                 "admit": config.admit,

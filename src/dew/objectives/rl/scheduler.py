@@ -214,22 +214,6 @@ class RolloutScheduler:
             truncation=truncation,
             support_capacity=support_capacity,
         )
-        self._setup(
-            objective, source, weights, config, width=width, rows=rows, tasks=tasks, log=log
-        )
-
-    def _setup(
-        self,
-        objective: GRPOObjective,
-        source: SessionSource,
-        weights: Publisher,
-        config: SchedulerConfig,
-        *,
-        width: int,
-        rows: int,
-        tasks: Callable[[Batch], Sequence[Task]] = task_ids,
-        log: Callable[[SchedulerRecord], None] | None = None,
-    ) -> None:
         width, rows = check_shape(width=width, rows=rows)
         self._config = config
         self._objective = objective
@@ -270,9 +254,7 @@ class RolloutScheduler:
         """A scheduler with the knobs of ``config`` and, on a pool, its ``hooks``.
 
         ``rest`` are the constructor's other keyword arguments (``width`` and ``rows``,
-        required; ``tasks``, ``log``); a knob given there as well is refused. This is
-        the way to set the config's knobs the constructor does not take
-        (``ahead_warmup``).
+        required; ``tasks``, ``log``); a knob given there as well is refused.
         ``hooks`` is how a pool joins the scheduler from the start (see
         :class:`~dew.objectives.rl.config.SchedulerHooks`): the constructor keeps the
         reference page's signature, so it takes none, and :meth:`connect` hands them
@@ -280,14 +262,11 @@ class RolloutScheduler:
         """
         if not isinstance(config, SchedulerConfig):
             raise TypeError(f"config: expected a SchedulerConfig, got {type(config).__name__}")
-        knobs = {f.name for f in dataclasses.fields(config)}
-        twice = sorted(knobs & set(rest))
+        knobs = {f.name: getattr(config, f.name) for f in dataclasses.fields(config)}
+        twice = sorted(set(knobs) & set(rest))
         if twice:
             raise TypeError(f"from_config: {', '.join(twice)} come from config, not as arguments")
-        # Not through the constructor: a config also holds dew's own knobs
-        # (ahead_warmup), which the reference page's signature does not take.
-        self = cls.__new__(cls)
-        self._setup(objective, source, weights, config, **rest)
+        self = cls(objective, source, weights, **knobs, **rest)
         if hooks is not None:
             self.connect(hooks)
         return self
