@@ -86,6 +86,8 @@ def parse_variant(text: str) -> tuple[str, dict[str, Any]]:
     name, sep, body = text.partition(":")
     if not sep or not name.strip():
         raise SystemExit(f"--variant {text!r}: name:field=value[,field=value]")
+    if "/" in name:  # the name is part of each saved run's file name (--save)
+        raise SystemExit(f"--variant {text!r}: the name {name.strip()!r} may not hold '/'")
     fields: dict[str, Any] = {}
     for part in filter(None, (p.strip() for p in body.split(","))):
         key, eq, value = part.partition("=")

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from ._tiny import BENCH, run_tiny
+from ._tiny import BENCH, bench_module, run_tiny
 from .test_bench_vs_trl_smoke import RunResult, RunSpec
 
 
@@ -107,3 +107,12 @@ def test_load_with_seeds_renders_only_those_seeds(tmp_path: Path) -> None:
     assert "| a2 | 0-2 | 110, 120, 132 |" in render().stdout  # no --seeds: every saved seed
     none = render("--seeds", "7")
     assert none.returncode != 0 and "no saved runs of seeds [7]" in none.stderr
+
+
+def test_a_variant_is_parsed_and_a_name_that_is_no_file_name_refused() -> None:
+    steps = bench_module("async_steps")
+    name, fields = steps.parse_variant("a 2:ahead=2,importance='mask',clip_high=None")
+    assert (name, fields) == ("a 2", {"ahead": 2, "importance": "mask", "clip_high": None})
+    # the name goes into each saved run's file name: refused before anything runs
+    with pytest.raises(SystemExit, match=r"the name '1 to 2/3' may not hold '/'"):
+        steps.parse_variant("1 to 2/3:ahead=3")
