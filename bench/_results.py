@@ -7,6 +7,7 @@ import datetime
 import os
 import platform
 import re
+import shlex
 import sys
 from collections.abc import Mapping
 from pathlib import Path
@@ -39,7 +40,7 @@ def machine(*extra: str) -> str:
 
 def command_line(script: str) -> str:
     """The command that started this run, as it would be typed in the repository root."""
-    return " ".join([".venv/bin/python", f"bench/{script}", *sys.argv[1:]])
+    return shlex.join([".venv/bin/python", f"bench/{script}", *sys.argv[1:]])
 
 
 def provenance(script: str, seconds: float, *versions: str) -> dict[str, Any]:

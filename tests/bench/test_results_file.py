@@ -32,6 +32,18 @@ def test_sections_and_summary_rows_replace_only_their_own(tmp_path: Path) -> Non
     assert text.index("## summary") < text.index("## pack") < text.index("## engine")
 
 
+def test_the_command_line_is_one_that_can_be_pasted_back(monkeypatch) -> None:
+    import shlex
+
+    argv = ["async_steps.py", "--variant", "ahead 3:ahead=3,max_lag=3", "--seeds", "1,2"]
+    monkeypatch.setattr("sys.argv", argv)
+    line = results_module().command_line("async_steps.py")
+    assert line == (
+        ".venv/bin/python bench/async_steps.py --variant 'ahead 3:ahead=3,max_lag=3' --seeds 1,2"
+    )
+    assert shlex.split(line)[2:] == argv[1:]
+
+
 def test_a_section_needs_a_header(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="## name"):
         results_module().write_section("no header\n", tmp_path / "R.md")
